@@ -1,0 +1,120 @@
+"""Typed, self-checking configuration for the model architecture and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from decodeservice.engine.errors import ConfigError
+
+SpeculativeMethod = Literal["ngram", "draft", "self_draft"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-family architecture, read from GGUF metadata or a HF config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding options; see engine/spec_decode."""
+
+    method: SpeculativeMethod
+    num_tokens: int = 4
+    # n-gram proposer: longest-first match of the last n tokens, n in [min, max].
+    ngram_min: int = 1
+    ngram_max: int = 4
+    # draft proposer: a model sharing the target's vocabulary (name or path).
+    draft_model: str | None = None
+    # self_draft: the target's first L layers plus its final norm and head.
+    draft_layers: int | None = None
+    # Speculation turns off when this many sequences run: verifying k extra positions then costs more
+    # than it saves. Measured in benchmarks/spec_decode.py; see the README.
+    disable_batch_size: int = 8
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft", "self_draft"):
+            raise ConfigError(f"unknown speculative method {self.method!r}; use ngram, draft or self_draft")
+        if not 1 <= self.num_tokens <= 16:
+            raise ConfigError("speculative num_tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("speculative method 'draft' needs draft_model")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ConfigError("draft_layers must be >= 1")
+        if self.disable_batch_size < 1:
+            raise ConfigError("disable_batch_size must be >= 1")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if value.get("method") in (None, "none"):
+            return None
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise ConfigError(f"bad speculative config: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine runs. Built once; every bad combination is rejected here."""
+
+    block_size: int = 16
+    # KV pool size. None: on CPU 0.5 GiB; on GPU, gpu_memory_fraction of free memory after weights.
+    kv_cache_gib: float | None = None
+    gpu_memory_fraction: float = 0.9
+    num_gpu_blocks_override: int | None = None  # tests use tiny pools to force preemption
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    quantization: Literal["none", "int8"] = "none"
+    speculative: SpeculativeConfig | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size must be a positive power of two")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ConfigError("kv_cache_gib must be positive")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError("gpu_memory_fraction must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("num_gpu_blocks_override must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError("max_num_batched_tokens must be at least block_size")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+        if self.quantization not in ("none", "int8"):
+            raise ConfigError("quantization must be 'none' or 'int8'")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError("dtype must be float32, float16 or bfloat16")

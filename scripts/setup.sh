@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create or reuse .venv at the repo root, install DecodeService with its test extras on the CPU torch
+# wheel, and pull the bundled model. Safe to run again: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.decodeservice-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    # The CPU wheel; a looser pin pulls a multi-GB CUDA build. GPU users: see README "GPU".
+    .venv/bin/python -m pip install --quiet "torch==${DECODESERVICE_TORCH_VERSION:-2.13.0}"
+    .venv/bin/python -m pip install --quiet -e ".[test]"
+    echo "$want" > "$stamp"
+fi
+.venv/bin/decodectl models pull smollm2-135m
