@@ -1,17 +1,68 @@
-"""`decodectl demo`."""
+"""`decodectl demo`: engine + proxy on the bundled model, a `mixed` workload with speculation off and on.
+
+It pulls the model if needed, starts both servers on free local ports, runs the workload twice through
+the proxy, prints a side-by-side table and writes report.json, report.md and report.png (and the
+servers' logs under logs/). Ctrl-C stops everything it started.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("demo", help="(not yet available)")
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "demo", help="run the engine and the proxy locally and compare speculative decoding off vs on",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=Path("demo-results"), help="report folder (default ./demo-results)")
+    parser.add_argument("--num-requests", type=int, help="requests per run (default 12; --quick: 4)")
+    parser.add_argument("--max-tokens", type=int, help="cap on each request's output length (default 96; --quick: 32)")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload, for a first look or CI")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+    from dataclasses import replace
+    from types import FrameType
+
+    from rich.console import Console
+
+    from decodeservice.bench.demo import Demo, DemoConfig, side_by_side
+    from decodeservice.bench.errors import BenchConfigError, BenchError
     from decodeservice.cli.main import UsageError
 
-    raise UsageError("not implemented yet")
+    for flag in ("num_requests", "max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    config = DemoConfig.quick(args.out) if args.quick else DemoConfig(out=args.out)
+    overrides = {k: v for k, v in (("num_requests", args.num_requests), ("max_tokens", args.max_tokens)) if v}
+    try:
+        config = replace(config, **overrides)
+    except BenchConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+    def on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt  # same clean path as Ctrl-C: `finally` stops the children
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    console = Console(stderr=True)
+    demo = Demo(config=config, console=console)
+    try:
+        result, paths = demo.run()
+    except BenchError as exc:  # a child that died or never got ready (DemoError), an unusable server
+        console.print(f"[bold red]demo failed:[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("interrupted; stopping the servers")
+        return 130
+    finally:
+        demo.close()
+        signal.signal(signal.SIGTERM, previous)
+    Console().print(side_by_side(result))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

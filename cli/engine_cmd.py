@@ -1,4 +1,10 @@
-"""`decodectl engine`."""
+"""`decodectl engine`: serve a model over the OpenAI API, with vLLM-compatible metrics.
+
+Example:
+
+    decodectl engine --model smollm2-135m --host 127.0.0.1 --port 8001 --kv-cache-gib 1 \\
+        --speculative-method ngram --num-speculative-tokens 4
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,80 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("engine", help="(not yet available)")
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "engine", help="serve a model over the OpenAI API (completions, chat, /metrics, /health, /ready)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="known model name, .gguf file or HF model folder")
+    parser.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
+    parser.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: 1 on CPU, "
+                        "--gpu-memory-fraction of free memory on GPU)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="GPU memory share (default 0.9)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per batch (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"], help="weight format")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-method", choices=["none", "ngram", "draft", "self_draft"], default="none")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step, k (default 4)")
+    spec.add_argument("--draft-model", help="draft model for --speculative-method draft")
+    spec.add_argument("--speculative-disable-batch-size", type=int,
+                      help="turn speculation off at this many running sequences")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from decodeservice.cli.main import UsageError
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from the flags."""
+    kwargs: dict[str, Any] = {
+        "kv_cache_gib": args.kv_cache_gib, "gpu_memory_fraction": args.gpu_memory_fraction,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
+        "quantization": args.quantization, "enable_prefix_caching": not args.no_prefix_caching,
+        "num_threads": args.num_threads,
+    }
+    if args.speculative_method != "none":
+        spec: dict[str, Any] = {"method": args.speculative_method, "num_tokens": args.num_speculative_tokens,
+                                "draft_model": args.draft_model}
+        if args.speculative_disable_batch_size is not None:
+            spec["disable_batch_size"] = args.speculative_disable_batch_size
+        kwargs["speculative"] = spec
+    elif args.draft_model:
+        kwargs["speculative"] = {"method": "draft", "num_tokens": args.num_speculative_tokens,
+                                 "draft_model": args.draft_model}
+    return kwargs
 
-    raise UsageError("not implemented yet")
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from decodeservice.cli.main import UsageError
+    from decodeservice.engine import ConfigError, Engine, EngineConfig, ModelLoadError, SpeculativeConfig
+    from decodeservice.engine.loader.registry import resolve_model_path
+    from decodeservice.engine.server.serve import serve
+    from decodeservice.engine.server.settings import ServerSettings
+
+    kwargs = engine_kwargs(args)
+    try:
+        # Check everything a user can get wrong before listening: a bad flag is exit 2, not a crash loop.
+        EngineConfig(**{**kwargs, "speculative": SpeculativeConfig.parse(kwargs.get("speculative"))})
+        settings = ServerSettings(served_model_name=args.served_model_name or args.model,
+                                  max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
+        model_path = resolve_model_path(args.model)
+    except (ConfigError, ModelLoadError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port")
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(settings, engine_factory=lambda: Engine.from_pretrained(model_path, **kwargs),
+                 host=args.host, port=args.port, log_level=args.log_level)

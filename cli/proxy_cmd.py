@@ -1,17 +1,54 @@
-"""`decodectl proxy`."""
+"""`decodectl proxy`: the SLO-aware sidecar in front of an OpenAI-compatible engine."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("proxy", help="(not yet available)")
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "proxy", help="run the policy proxy in front of an engine",
+        description="Run the DecodeService sidecar proxy (Starlette on uvicorn) in front of an engine.",
+    )
+    parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", type=Path, help="policy.yaml (default: every policy at its default)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for counting prompt tokens locally "
+                        "(default: the upstream's POST /tokenize)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for in-flight requests (default 30)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from decodeservice.cli.main import UsageError
+    from decodeservice.proxy.policy import Policy, PolicyError
 
-    raise UsageError("not implemented yet")
+    upstream: str = args.upstream
+    if not upstream.startswith(("http://", "https://")):
+        raise UsageError(f"--upstream must be an http(s) URL, got {upstream!r}")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        policy = Policy.from_yaml_file(args.policy) if args.policy else Policy()
+    except PolicyError as exc:
+        raise UsageError(str(exc)) from None
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such file")
+
+    from decodeservice.proxy.app import DrainState, create_app
+    from decodeservice.proxy.serve import serve
+
+    drain = DrainState()
+    try:
+        app = create_app(policy, upstream, tokenizer_path=str(args.tokenizer) if args.tokenizer else None,
+                         drain=drain)
+    except Exception as exc:  # a tokenizer file that does not load
+        raise UsageError(f"cannot start the proxy: {exc}") from None
+    serve(app, drain=drain, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+          log_level=args.log_level)
+    return 0

@@ -114,7 +114,9 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.quantization not in ("none", "int8"):
-            raise ConfigError("quantization must be 'none' or 'int8'")
+        if self.quantization == "int8":
+            raise ConfigError("int8 weights are not available in this release; use quantization='none'")
+        if self.quantization != "none":
+            raise ConfigError("quantization must be 'none'")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError("dtype must be float32, float16 or bfloat16")

@@ -1,0 +1,161 @@
+"""Asyncio front of the engine: one background thread steps the engine; coroutines stream results.
+
+The engine is not thread-safe, so only the loop thread touches it. Coroutines hand it commands through
+a queue and receive `RequestOutput`s through per-request asyncio queues. If the loop crashes, every
+pending and future request gets `EngineDeadError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from decodeservice.engine.engine import Engine, Prompt
+from decodeservice.engine.errors import EngineDeadError, EngineError
+from decodeservice.engine.outputs import EngineStats, RequestOutput
+from decodeservice.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    sink: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._sinks: dict[str, _Add] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self._stats = engine.stats()
+        self.num_steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="decode-engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The counters as of the last finished step (a consistent snapshot)."""
+        return self._stats
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._sinks)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Tokenize and validate a prompt; raises the engine's InvalidRequestError family."""
+        return self.engine.encode_prompt(prompt)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream snapshots of one request. Closing the iterator early (a client went away) aborts the
+        request, which frees its KV blocks within one engine step."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop has died: {self.dead_error}")
+        prompt_ids = self.encode(prompt)
+        request_id = request_id or f"areq-{next(self._ids)}"
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, sink, asyncio.get_running_loop()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wakeup.set()
+
+    # -- the loop thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self.num_steps += 1
+                self._stats = self.engine.stats()
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiting client
+            self.dead_error = exc
+            dead = EngineDeadError(f"the engine loop has died: {exc!r}")
+            for add in list(self._sinks.values()):
+                add.loop.call_soon_threadsafe(add.sink.put_nowait, dead)
+            self._sinks.clear()
+            if not isinstance(exc, Exception):
+                raise
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is None:
+                return
+            if isinstance(command, _Abort):
+                if self._sinks.pop(command.request_id, None) is not None:
+                    self.engine.abort_request(command.request_id)
+                    self._stats = self.engine.stats()  # an idle loop takes no step to refresh them
+                continue
+            try:
+                self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id,
+                                        priority=command.priority)
+            except EngineError as exc:
+                command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
+                continue
+            self._sinks[command.request_id] = command
+
+    def _deliver(self, out: RequestOutput) -> None:
+        add = self._sinks.get(out.request_id)
+        if add is None:
+            return
+        if out.finished:
+            del self._sinks[out.request_id]
+        add.loop.call_soon_threadsafe(add.sink.put_nowait, out)

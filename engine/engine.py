@@ -1,0 +1,297 @@
+"""The offline engine: add requests, step, read outputs. `generate` is the batch convenience."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from decodeservice.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from decodeservice.engine.detokenizer import IncrementalDetokenizer
+from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from decodeservice.engine.kv_cache import KVCacheManager
+from decodeservice.engine.model import LlamaModel
+from decodeservice.engine.outputs import EngineStats, RequestMetrics, RequestOutput, SpecDecodeStats
+from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
+from decodeservice.engine.sampler import make_generator, sample_token, token_logprob
+from decodeservice.engine.sampling_params import SamplingParams
+from decodeservice.engine.scheduler import ScheduledSequence, Scheduler
+from decodeservice.engine.sequence import Sequence, SequenceStatus
+from decodeservice.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from decodeservice.engine.spec_decode.decoder import SpeculativeDecoder
+
+Prompt = str | Seq[int]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_GIB = 1.0
+
+
+class Engine:
+    def __init__(self, *, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
+                 draft: LlamaModel | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config: ModelConfig = model.config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        num_blocks = self._num_blocks()
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, less than one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_gib or lower max_model_len")
+        self.kv = KVCacheManager(num_blocks=num_blocks, block_size=config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+                                  device=self.device, dtype=self.dtype)
+        self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative is not None:
+            from decodeservice.engine.spec_decode.decoder import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder.create(config.speculative, target=model, draft=draft,
+                                                  num_blocks=num_blocks, block_size=config.block_size,
+                                                  device=self.device, dtype=self.dtype)
+        self._requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path = "smollm2-135m", **config: Any) -> Engine:
+        """A known model name (pulled on first use), a .gguf file or a HF model directory."""
+        from decodeservice.engine.loader import load_model
+        from decodeservice.engine.loader.registry import resolve_model_path
+
+        if "speculative" in config:
+            config["speculative"] = SpeculativeConfig.parse(config["speculative"])
+        engine_config = EngineConfig(**config)
+        if engine_config.num_threads:
+            torch.set_num_threads(engine_config.num_threads)
+        dtype = _DTYPES[engine_config.dtype]
+        loaded = load_model(resolve_model_path(str(name_or_path)), dtype=dtype)
+        model = build_model(loaded.config, loaded.weights, engine_config)
+        draft = None
+        spec = engine_config.speculative
+        if spec is not None and spec.method == "draft":
+            assert spec.draft_model is not None
+            draft_loaded = load_model(resolve_model_path(spec.draft_model), dtype=dtype)
+            if draft_loaded.config.vocab_size != loaded.config.vocab_size:
+                raise ConfigError("the draft model must share the target's vocabulary")
+            draft = build_model(draft_loaded.config, draft_loaded.weights, engine_config)
+        return cls(model=model, tokenizer=loaded.tokenizer, config=engine_config, draft=draft)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype, self.model_config.num_layers)
+        if cfg.speculative is not None:
+            per_block *= 2  # room for a draft model's cache of similar size
+        if cfg.kv_cache_gib is not None:
+            budget = cfg.kv_cache_gib * 2**30
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = max(free - (1 - cfg.gpu_memory_fraction) * total, 0)
+        else:
+            budget = CPU_DEFAULT_KV_GIB * 2**30
+        return int(budget // per_block)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_ids = self.encode_prompt(prompt)
+        seq = Sequence(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority,
+                       generator=make_generator(params, self.device))
+        self._requests[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.add(seq)
+        self.prompt_tokens_total += len(prompt_ids)
+        return request_id
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise InvalidRequestError("prompt token ids must be in [0, vocab_size)", param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
+                f"and at least one must be left for the answer", param="prompt")
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, batch_size=len(self.scheduler.running))
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        logits = self.runner.execute(plan)
+        if self.spec is not None:
+            self.spec.after_target_step(plan)
+        outputs = []
+        for item, rows in zip(plan.scheduled, logits.rows, strict=True):
+            new_tokens = self._advance(item, rows)
+            if new_tokens or item.seq.is_finished:
+                outputs.append(self._output(item.seq, new_tokens))
+        return outputs
+
+    def _advance(self, item: ScheduledSequence, rows: torch.Tensor | None) -> list[int]:
+        seq = item.seq
+        if rows is None:  # a prompt chunk; the prompt continues next step
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(seq)
+            return []
+        seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
+        if item.num_spec_tokens:
+            assert self.spec is not None
+            proposed = list(seq.spec_token_ids[: item.num_spec_tokens])
+            candidates = self.spec.verify(seq, proposed, rows)
+            accepted = len(candidates) - 1
+            seq.num_computed_tokens += accepted
+            self.kv.truncate(seq, seq.num_computed_tokens)
+            self.spec.rollback(seq, seq.num_computed_tokens)
+        else:
+            candidates = [sample_token(rows[0], seq.params, seq.generator)]
+        seq.spec_token_ids = []
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        new_tokens: list[int] = []
+        for position, token in enumerate(candidates):
+            seq.output_token_ids.append(token)
+            new_tokens.append(token)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(token_logprob(rows[position], token, seq.params.logprobs))
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        self.generation_tokens_total += len(new_tokens)
+        if not seq.is_finished:
+            self.kv.cache_full_blocks(seq)
+        return new_tokens
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.finished_time = time.monotonic()
+        self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.free(seq)
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        detok = self._detokenizers.get(seq.request_id)
+        new_text = ""
+        if detok is not None:
+            new_text, hit_stop = detok.update(seq.output_token_ids, finished=seq.is_finished)
+            if hit_stop and not seq.is_finished:
+                self._finish(seq, "stop")
+        text = detok.text if detok is not None else ""
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+            self._detokenizers.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
+                                   first_token_time=seq.first_token_time, finished_time=seq.finished_time,
+                                   num_cached_tokens=seq.num_cached_tokens),
+        )
+
+    # -- conveniences ------------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Prompt] | Prompt, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
+        param_list = [params or SamplingParams()] * len(prompt_list) if not isinstance(params, Seq) \
+            else list(params)
+        if len(param_list) != len(prompt_list):
+            raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if not self.has_unfinished_requests() and len(finished) < len(ids):
+                raise RuntimeError("engine went idle with requests unfinished")  # an invariant broke
+        return [finished[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        spec = self.spec.stats() if self.spec is not None else SpecDecodeStats()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            spec_decode=spec,
+        )
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    # Built on the meta device, so no time goes into random init of weights we overwrite.
+    model = model.to_empty(device=config.device).to(dtype=_DTYPES[config.dtype])
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_weights(weights)
+    model.rotary.reset_tables(config.device)
+    return model.eval()

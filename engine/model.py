@@ -1,0 +1,250 @@
+"""Llama-family decoder over a paged KV cache.
+
+RMSNorm, rotary position embeddings (rotate-half layout, theta from the config), grouped-query
+attention, SwiGLU MLP, optionally tied embeddings. Shapes: N = tokens in the step (all sequences
+packed), H = query heads, Hkv = key/value heads, D = head dim, C = hidden size.
+
+`forward` reads and writes the paged cache; `forward_dense` is the plain full-recompute reference the
+tests compare it against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodeservice.engine.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeGroup:
+    """Sequences with short query lengths (decode, speculative verify) batched into one padded call."""
+
+    seq_ids: torch.Tensor  # (B,) rows of the plan, for bookkeeping only
+    query_index: torch.Tensor  # (B, Q) index into the packed tokens; padding points at token 0
+    query_valid: torch.Tensor  # (B, Q) bool
+    block_tables: torch.Tensor  # (B, M) block ids, padded with 0
+    attn_mask: torch.Tensor  # (B, 1, Q, M*block_size) bool, True = may attend
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillSlice:
+    """One sequence with a long query (a prompt chunk), attended on its own."""
+
+    token_start: int
+    num_tokens: int
+    context_len: int  # cached + new tokens
+    block_table: torch.Tensor  # (M,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,)
+    slot_mapping: torch.Tensor  # (N,) flat cache slot each new token's K/V is written to
+    decode: DecodeGroup | None
+    prefills: list[PrefillSlice]
+    logits_index: torch.Tensor  # (S,) packed rows whose logits are wanted
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache (num_blocks, block_size, Hkv, D), table (..., M) -> (..., M, block_size, Hkv, D).
+
+    index_select on a 2-D view copies whole blocks as rows; plain advanced indexing on the 4-D
+    tensor is an order of magnitude slower on CPU."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_table.reshape(-1))
+    return rows.view(*block_table.shape, *cache.shape[1:])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the cos/sin tables in fp32, e.g. after the module was built on the meta device."""
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (P, D)
+        self.cos = angles.cos()
+        self.sin = angles.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (N, heads, D); positions: (N,)
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (N, 1, D)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v in one matmul: the weights are streamed from memory once.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(n, self.num_heads, self.head_dim), positions)  # (N, H, D)
+        k = rotary(k.view(n, self.num_kv_heads, self.head_dim), positions)  # (N, Hkv, D)
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # x: (N, C); k_cache/v_cache: (num_blocks, block_size, Hkv, D)
+        q, k, v = self.project(x, batch.positions, rotary)
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+
+        out = torch.empty_like(q)  # (N, H, D)
+        if batch.decode is not None:
+            group = batch.decode
+            b = group.block_tables.shape[0]
+            keys = gather_blocks(k_cache, group.block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
+            values = gather_blocks(v_cache, group.block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
+            # keys/values: (B, L, Hkv, D) with L = M * block_size
+            queries = q[group.query_index]  # (B, Q, H, D)
+            attended = F.scaled_dot_product_attention(
+                queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=group.attn_mask, enable_gqa=True,
+            ).transpose(1, 2)  # (B, Q, H, D)
+            out[group.query_index[group.query_valid]] = attended[group.query_valid]
+        for piece in batch.prefills:
+            s, t = piece.token_start, piece.num_tokens
+            qs = q[s : s + t].transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
+            if piece.context_len == t:
+                # Nothing cached: attend to the fresh keys directly, causal.
+                ks, vs = k[s : s + t], v[s : s + t]
+                mask = None
+            else:
+                ks = gather_blocks(k_cache, piece.block_table).flatten(0, 1)[: piece.context_len]  # (L, Hkv, D)
+                vs = gather_blocks(v_cache, piece.block_table).flatten(0, 1)[: piece.context_len]
+                offset = piece.context_len - t
+                rows = torch.arange(t, device=x.device).unsqueeze(1) + offset
+                mask = torch.arange(piece.context_len, device=x.device).unsqueeze(0) <= rows  # (T, L)
+            attended = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+            )  # (1, H, T, D)
+            out[s : s + t] = attended[0].transpose(0, 1)
+        return self.o_proj(out.view(x.shape[0], self.q_size))
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        # x: (T, C), one sequence, no cache
+        q, k, v = self.project(x, positions, rotary)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, enable_gqa=True,
+        )  # (1, H, T, D)
+        return self.o_proj(attended[0].transpose(0, 1).reshape(x.shape[0], self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                *, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states (S, C) of the rows in batch.logits_index, after the final norm.
+
+        `num_layers` runs only the first L layers (self-drafting reuses the target this way)."""
+        h = self.embed_tokens(batch.input_ids)  # (N, C)
+        for layer, (k_cache, v_cache) in zip(self.decoder_layers()[:num_layers], kv_caches, strict=False):
+            h = h + layer.self_attn(layer.input_layernorm(h), batch, self.rotary, k_cache, v_cache)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h[batch.logits_index])  # (S, C)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (S, V)
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: torch.Tensor, *, num_layers: int | None = None) -> torch.Tensor:
+        """Reference path: logits (T, V) for one sequence (T,), recomputing everything."""
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        h = self.embed_tokens(input_ids)  # (T, C)
+        for layer in self.decoder_layers()[:num_layers]:
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), positions, self.rotary)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.compute_logits(self.norm(h))
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF Llama-named tensors, fusing q/k/v and gate/up as this module lays them out."""
+        fused: dict[str, torch.Tensor] = {}
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [weights[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+            fused[f"layers.{i}.self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
+            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], dim=0)
+            fused[f"layers.{i}.mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+            fused[f"layers.{i}.input_layernorm.weight"] = weights[p + "input_layernorm.weight"]
+            fused[f"layers.{i}.post_attention_layernorm.weight"] = weights[p + "post_attention_layernorm.weight"]
+        fused["embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        fused["norm.weight"] = weights["model.norm.weight"]
+        if not self.config.tie_word_embeddings:
+            fused["lm_head.weight"] = weights["lm_head.weight"]
+        missing, unexpected = self.load_state_dict(fused, strict=False)
+        allowed_missing = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        if set(missing) - allowed_missing or unexpected:
+            raise ValueError(f"weight mismatch: missing={missing} unexpected={unexpected}")

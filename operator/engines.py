@@ -1,0 +1,121 @@
+"""Engine command lines and model sourcing for the pod: pure functions of a validated spec.
+
+`builtin` runs `decodectl engine`; `vllm` runs vLLM's OpenAI server with the equivalent flags. Either way
+the engine listens on 127.0.0.1-reachable port 8001 and our proxy sidecar stays in front on 8000.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodeservice.operator.spec import EngineKind, ModelSource, SpecMethod, ValidatedSpec
+
+ENGINE_PORT = 8001
+PROXY_PORT = 8000
+MODELS_DIR = "/models"  # hf downloads land in an emptyDir here; pvc claims mount below it read-only
+CACHE_DIR = "/cache"
+
+# Downloads a Hugging Face snapshot; arguments come through argv so no user text is pasted into code.
+_HF_DOWNLOAD = (
+    "import sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])\n"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPlan:
+    """Where the engine finds its model(s) and what the pod needs to get them there."""
+
+    model_arg: str
+    draft_arg: str | None
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    downloads: list[ModelSource] = field(default_factory=list)  # hf sources for the init container
+
+
+def _hf_dir(source: ModelSource) -> str:
+    return f"{MODELS_DIR}/hf/{source.name.replace('/', '--')}@{source.revision}"
+
+
+def plan_models(v: ValidatedSpec) -> ModelPlan:
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    downloads: list[ModelSource] = []
+    claim: str | None = None
+
+    def resolve(source: ModelSource) -> str:
+        nonlocal claim
+        if source.kind == "bundled":
+            return source.name
+        if source.kind == "file":
+            return source.name
+        if source.kind == "pvc":
+            claim = source.claim
+            return f"{MODELS_DIR}/pvc/{source.name}"
+        downloads.append(source)
+        return _hf_dir(source)
+
+    model_arg = resolve(v.model)
+    draft_arg = resolve(v.draft) if v.draft is not None else None
+    if claim is not None:
+        volumes.append({"name": "model-pvc", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model-pvc", "mountPath": f"{MODELS_DIR}/pvc", "readOnly": True})
+    if downloads:
+        volumes.append({"name": "model-cache", "emptyDir": {}})
+        mounts.append({"name": "model-cache", "mountPath": f"{MODELS_DIR}/hf", "readOnly": True})
+    return ModelPlan(model_arg=model_arg, draft_arg=draft_arg, volumes=volumes, mounts=mounts, downloads=downloads)
+
+
+def download_commands(plan: ModelPlan) -> list[list[str]]:
+    """One `python -c` per hf snapshot; the init container runs them in order."""
+    return [["python", "-c", _HF_DOWNLOAD, s.name, s.revision or "main", _hf_dir(s)] for s in plan.downloads]
+
+
+def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
+    engine, gpus = v.spec.engine, v.spec.resources.gpus
+    args = ["engine", "--model", plan.model_arg, "--served-model-name", v.served_name,
+            "--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.kv_cache_gib is not None:
+        args += ["--kv-cache-gib", _num(engine.kv_cache_gib)]
+    if engine.gpu_memory_fraction is not None:
+        args += ["--gpu-memory-fraction", _num(engine.gpu_memory_fraction)]
+    args += ["--quantization", engine.quantization.value]
+    spec = engine.speculative
+    if spec.method is not SpecMethod.NONE:
+        args += ["--speculative-method", spec.method.value, "--num-speculative-tokens", str(spec.num_tokens)]
+        if plan.draft_arg is not None:
+            args += ["--draft-model", plan.draft_arg]
+    args += ["--device", "cuda" if gpus > 0 else "cpu"]
+    return args + list(engine.extra_args)
+
+
+def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
+    engine = v.spec.engine
+    args = ["--model", plan.model_arg, "--served-model-name", v.served_name, "--host", "0.0.0.0",
+            "--port", str(ENGINE_PORT), "--max-num-seqs", str(engine.max_num_seqs), "--enable-prefix-caching",
+            "--gpu-memory-utilization", _num(engine.gpu_memory_fraction or 0.9)]
+    if v.spec.resources.gpus > 1:
+        args += ["--tensor-parallel-size", str(v.spec.resources.gpus)]
+    spec = engine.speculative
+    if spec.method is SpecMethod.NGRAM:
+        config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": spec.num_tokens,
+                                  "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    elif spec.method is SpecMethod.DRAFT:
+        config = {"model": plan.draft_arg, "num_speculative_tokens": spec.num_tokens}
+        args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    return args + list(engine.extra_args)
+
+
+def engine_command(v: ValidatedSpec, plan: ModelPlan) -> tuple[list[str], list[str]]:
+    """(command, args) of the engine container."""
+    if v.spec.engine.kind is EngineKind.VLLM:
+        return ["python3", "-m", "vllm.entrypoints.openai.api_server"], vllm_args(v, plan)
+    return ["decodectl"], builtin_args(v, plan)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -1,0 +1,51 @@
+"""The operator's exception tree.
+
+`OperatorError` is the root. Handlers map the branches on purpose: `InvalidSpecError` and
+`ChildConflictError` stop processing (kopf.PermanentError, `Ready=False` with the error's reason), an
+`ApiError` that `transient` says may pass is retried with backoff (kopf.TemporaryError).
+"""
+
+from __future__ import annotations
+
+
+class OperatorError(Exception):
+    """Root of everything the operator raises on purpose."""
+
+    reason = "OperatorError"
+
+
+class InvalidSpecError(OperatorError, ValueError):
+    """A DecodeService spec that cannot be served; the message names the field."""
+
+    reason = "InvalidSpec"
+
+
+class ChildConflictError(OperatorError):
+    """A child object with our name exists and is controlled by some other owner."""
+
+    reason = "ChildConflict"
+
+
+class ApiError(OperatorError):
+    """A Kubernetes API request that failed, with the HTTP status and the API's own reason."""
+
+    reason = "ApiError"
+
+    def __init__(self, *, status: int, api_reason: str, message: str) -> None:
+        super().__init__(f"{status} {api_reason}: {message}")
+        self.status = status
+        self.api_reason = api_reason
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        # 409 is transient too: a concurrent writer won the race; re-reading and retrying resolves it.
+        return self.status in (409, 429) or self.status >= 500 or self.status == 0
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409

@@ -1,0 +1,271 @@
+"""Desired child objects of a DecodeService: one pure function, spec in, dicts out.
+
+`build_children` is all the operator (and `decodectl render`) knows about what a DecodeService becomes:
+a Deployment (engine + proxy sidecar), a Service on the proxy port, a ConfigMap with `policy.yaml`, and a
+PodDisruptionBudget when more than one replica runs. No API calls happen here; owner references are
+added by the handlers with `kopf.adopt` because they need the live object's uid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from decodeservice.operator.engines import (
+    CACHE_DIR,
+    ENGINE_PORT,
+    MODELS_DIR,
+    PROXY_PORT,
+    ModelPlan,
+    download_commands,
+    engine_command,
+    plan_models,
+)
+from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSpec, validate_spec
+
+DEFAULT_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0"
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.9.2"
+POLICY_DIR = "/etc/decodeservice"
+MANAGED_BY = "decodeservice-operator"
+POLICY_HASH_ANNOTATION = "decode.dev/policy-hash"
+RUN_AS = 10001  # the image's non-root user (see Dockerfile)
+
+# The Pod Security Standards "restricted" profile, on every container.
+CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "runAsGroup": RUN_AS,
+    "fsGroup": RUN_AS,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """Operator-wide settings that are not part of any one DecodeService."""
+
+    image: str = DEFAULT_IMAGE
+    vllm_image: str = DEFAULT_VLLM_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    drain_seconds: int = 10  # preStop wait so endpoints drop the pod before the proxy stops accepting
+
+    def __post_init__(self) -> None:
+        if not self.image or not self.vllm_image:
+            raise ValueError("image and vllm_image must be non-empty")
+        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError(f"image_pull_policy must be Always, IfNotPresent or Never, not {self.image_pull_policy!r}")
+        if not 0 <= self.drain_seconds <= 300:
+            raise ValueError(f"drain_seconds must be within [0, 300], got {self.drain_seconds}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Children:
+    deployment: dict[str, Any]
+    service: dict[str, Any]
+    config_map: dict[str, Any]
+    pdb: dict[str, Any] | None
+
+    def all(self) -> list[dict[str, Any]]:
+        objs = [self.config_map, self.service, self.deployment]
+        return objs + ([self.pdb] if self.pdb is not None else [])
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "decodeservice", "app.kubernetes.io/instance": name}
+
+
+def _labels(name: str, v: ValidatedSpec) -> dict[str, str]:
+    # decode.dev/* labels let a Gateway API InferencePool select the pods of one served model.
+    model_label = "".join(c if c.isalnum() or c in "-_." else "-" for c in v.served_name)[:63].strip("-_.")
+    return {**selector_labels(name), "app.kubernetes.io/component": "inference",
+            "app.kubernetes.io/managed-by": MANAGED_BY, "decode.dev/service": name,
+            "decode.dev/model": model_label or "model"}
+
+
+def _meta(name: str, namespace: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": dict(labels)}
+
+
+def desired_replicas(v: ValidatedSpec) -> int:
+    scaling = v.spec.autoscaling
+    if scaling.mode is AutoscalingMode.OFF:
+        return v.spec.replicas
+    return max(scaling.min_replicas, min(scaling.max_replicas, v.spec.replicas))
+
+
+def policy_yaml(v: ValidatedSpec) -> str:
+    return v.policy.to_yaml()
+
+
+def _probe(path: str, port: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 2,
+            "failureThreshold": failures}
+
+
+def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> dict[str, Any]:
+    res = v.spec.resources
+    command, args = engine_command(v, plan)
+    vllm = v.spec.engine.kind is EngineKind.VLLM
+    image = v.spec.engine.image or (opts.vllm_image if vllm else opts.image)
+    limits: dict[str, str] = {"memory": res.memory}
+    if res.gpus > 0:
+        limits["nvidia.com/gpu"] = str(res.gpus)
+    # vLLM has no /ready; its /health answers once the model is loaded. Ours splits the two.
+    ready_path = "/health" if vllm else "/ready"
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, *plan.mounts]
+    if vllm:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return {
+        "name": "engine", "image": image, "imagePullPolicy": opts.image_pull_policy,
+        "command": command, "args": args,
+        "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _cache_env(),
+        "resources": {"requests": {"cpu": res.cpu, "memory": res.memory}, "limits": limits},
+        "startupProbe": _probe("/health", "engine", period=5, failures=360),  # model loads may take 30 min
+        "readinessProbe": _probe(ready_path, "engine", period=5, failures=3),
+        "livenessProbe": _probe("/health", "engine", period=10, failures=3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": opts.drain_seconds}}},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+
+
+def _cache_env() -> list[dict[str, str]]:
+    # The root filesystem is read-only: every tool that caches must write under the emptyDirs.
+    return [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+            {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+            {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"}]
+
+
+def _proxy_container(opts: BuildOptions) -> dict[str, Any]:
+    return {
+        "name": "proxy", "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
+        "command": ["decodectl"],
+        "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(PROXY_PORT),
+                 "--policy", f"{POLICY_DIR}/policy.yaml"],
+        "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "readinessProbe": _probe("/ready", "http", period=5, failures=3),
+        "livenessProbe": _probe("/health", "http", period=10, failures=3),
+        # The proxy outlives the engine's drain by a second so in-flight streams finish through it.
+        "lifecycle": {"preStop": {"sleep": {"seconds": opts.drain_seconds + 1}}},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "policy", "mountPath": POLICY_DIR, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def _init_container(plan: ModelPlan, opts: BuildOptions) -> dict[str, Any] | None:
+    commands = download_commands(plan)
+    if not commands:
+        return None
+    # One shell-free chain: each download is its own argv, run by Python's subprocess in order.
+    runner = "import subprocess, sys, json\nfor cmd in json.loads(sys.argv[1]):\n    subprocess.run(cmd, check=True)\n"
+    return {
+        "name": "fetch-model", "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
+        "command": ["python", "-c", runner, json.dumps(commands)],
+        "env": _cache_env(),
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "model-cache", "mountPath": f"{MODELS_DIR}/hf"},
+                         {"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def build_children(*, name: str, namespace: str, v: ValidatedSpec,
+                   options: BuildOptions | None = None) -> Children:
+    opts = options or BuildOptions()
+    labels = _labels(name, v)
+    policy = policy_yaml(v)
+    policy_hash = hashlib.sha256(policy.encode()).hexdigest()[:16]
+    plan = plan_models(v)
+    replicas = desired_replicas(v)
+    res = v.spec.resources
+
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{name}-policy", namespace, labels),
+                  "data": {"policy.yaml": policy}}
+    volumes: list[dict[str, Any]] = [
+        {"name": "policy", "configMap": {"name": f"{name}-policy"}},
+        {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        *plan.volumes,
+    ]
+    if v.spec.engine.kind is EngineKind.VLLM:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
+    pod_spec: dict[str, Any] = {
+        "securityContext": POD_SECURITY,
+        "automountServiceAccountToken": False,  # the pods never talk to the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": opts.drain_seconds + 30,
+        "containers": [_engine_container(v, opts, plan), _proxy_container(opts)],
+        "volumes": volumes,
+    }
+    init = _init_container(plan, opts)
+    if init is not None:
+        pod_spec["initContainers"] = [init]
+    if res.node_selector:
+        pod_spec["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations]
+    # GPUs are scarce: replace pods one at a time instead of surging an extra GPU pod.
+    rolling = {"maxSurge": 0, "maxUnavailable": 1} if res.gpus > 0 else {"maxSurge": 1, "maxUnavailable": 0}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, labels),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {
+                    POLICY_HASH_ANNOTATION: policy_hash,
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(PROXY_PORT),
+                    "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, labels),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+                 "ports": [{"name": "http", "port": PROXY_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    pdb = None
+    if replicas > 1:
+        pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, labels),
+               "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+    return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb)
+
+
+def render(body: Mapping[str, Any], *, options: BuildOptions | None = None,
+           default_namespace: str = "default") -> Children:
+    """Children of a whole DecodeService manifest (as `kubectl apply` would get it)."""
+    if body.get("apiVersion") != "decode.dev/v1alpha1" or body.get("kind") != "DecodeService":
+        raise InvalidSpecError(f"expected apiVersion decode.dev/v1alpha1 and kind DecodeService, got "
+                               f"{body.get('apiVersion')!r} {body.get('kind')!r}")
+    meta = body.get("metadata") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidSpecError("metadata.name is required")
+    _check_name(name)
+    namespace = meta.get("namespace") or default_namespace
+    return build_children(name=name, namespace=str(namespace), v=validate_spec(body.get("spec")), options=options)
+
+
+def _check_name(name: str) -> None:
+    # Child names derive from it: the Service needs a DNS-1035 label and `-policy` must still fit 63 chars.
+    ok = name[:1].isalpha() and name.islower() and all(c.isalnum() or c == "-" for c in name) and not name.endswith("-")
+    if not ok or len(name) > 56:
+        raise InvalidSpecError(f"metadata.name: {name!r} must be a DNS-1035 label of at most 56 characters")

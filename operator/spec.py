@@ -1,0 +1,275 @@
+"""The DecodeService spec, typed and validated in Python.
+
+The CRD's openAPIV3Schema and its `x-kubernetes-validations` are the first line of defence, but the
+operator must not trust that the API server enforced them (an older server, a test emulator, `decodectl
+render` with no server at all). So every rule is re-checked here, and the rules that need knowledge the
+schema lacks (which models the image bundles, which engine supports which feature) live only here.
+
+Cross-field rules are written twice on purpose: as CEL text in the CRD and as a Python predicate in
+`CEL_RULES` below, next to its CEL twin. tests/operator/test_crd.py checks that the CRD carries exactly
+these rule strings and that a small CEL-to-Python evaluator agrees with each predicate on the examples
+and on deliberately invalid manifests.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.proxy.errors import PolicyError
+from decodeservice.proxy.policy import Policy
+
+GROUP = "decode.dev"
+VERSION = "v1alpha1"
+PLURAL = "decodeservices"
+KIND = "DecodeService"
+
+# Models the image ships in its cache; `bundled://` anything else cannot start.
+BUNDLED_MODELS = ("smollm2-135m",)
+
+MODEL_URI_PATTERN = (
+    r"^(bundled://[a-z0-9][a-z0-9.-]*"
+    r"|hf://[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(@[A-Za-z0-9_./-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^/].*"
+    r"|file:///.+)$"
+)
+_MODEL_URI = re.compile(MODEL_URI_PATTERN)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid", frozen=True,
+    )
+
+
+class EngineKind(enum.StrEnum):
+    BUILTIN = "builtin"
+    VLLM = "vllm"
+
+
+class Quantization(enum.StrEnum):
+    NONE = "none"
+    INT8 = "int8"
+
+
+class SpecMethod(enum.StrEnum):
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT = "draft"
+    SELF_DRAFT = "self_draft"
+
+
+class AutoscalingMode(enum.StrEnum):
+    OFF = "off"
+    BUILTIN = "builtin"
+    EXTERNAL = "external"
+
+
+class ModelSpec(_Model):
+    uri: str = Field(pattern=MODEL_URI_PATTERN)
+    served_name: str | None = Field(None, min_length=1, max_length=128)
+
+
+class SpeculativeSpec(_Model):
+    method: SpecMethod = SpecMethod.NONE
+    num_tokens: int = Field(4, ge=1, le=16)
+    draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
+
+
+class EngineSpec(_Model):
+    kind: EngineKind = EngineKind.BUILTIN
+    image: str | None = Field(None, min_length=1)
+    max_num_seqs: int = Field(16, ge=1, le=4096)
+    kv_cache_gib: float | None = Field(None, gt=0, alias="kvCacheGiB")
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
+    quantization: Quantization = Quantization.NONE
+    speculative: SpeculativeSpec = Field(default_factory=lambda: SpeculativeSpec.model_validate({}))
+    extra_args: tuple[str, ...] = ()
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: str | None = Field(None, pattern=r"^(Exists|Equal)$")
+    value: str | None = None
+    effect: str | None = Field(None, pattern=r"^(NoSchedule|PreferNoSchedule|NoExecute)$")
+    toleration_seconds: int | None = None
+
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+
+
+class ResourcesSpec(_Model):
+    gpus: int = Field(0, ge=0, le=16)
+    cpu: str = Field("2", pattern=QUANTITY_PATTERN)
+    memory: str = Field("4Gi", pattern=QUANTITY_PATTERN)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: tuple[Toleration, ...] = ()
+
+
+class AutoscalingSpec(_Model):
+    mode: AutoscalingMode = AutoscalingMode.OFF
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(1, ge=1, le=1000)
+    target_inflight_per_replica: int = Field(16, ge=1)
+    scale_down_delay_seconds: int = Field(300, ge=0)
+
+
+class DecodeServiceSpec(_Model):
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=lambda: EngineSpec.model_validate({}))
+    resources: ResourcesSpec = Field(default_factory=lambda: ResourcesSpec.model_validate({}))
+    replicas: int = Field(1, ge=0, le=1000)
+    autoscaling: AutoscalingSpec = Field(default_factory=lambda: AutoscalingSpec.model_validate({}))
+    # Kept as the raw mapping here; `policy` below validates it with the proxy's own model.
+    policies: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CelRule:
+    """One `x-kubernetes-validations` rule: where it sits, its CEL text, and its Python twin."""
+
+    path: tuple[str, ...]  # property names from `spec` down to the object the rule is attached to
+    rule: str
+    message: str
+    check: Callable[[Mapping[str, Any]], bool]  # takes the (defaulted) object at `path`
+
+
+CEL_RULES: tuple[CelRule, ...] = (
+    CelRule(path=("engine",), rule="!(has(self.kvCacheGiB) && has(self.gpuMemoryFraction))",
+            message="set kvCacheGiB or gpuMemoryFraction, not both",
+            check=lambda o: not ("kvCacheGiB" in o and "gpuMemoryFraction" in o)),
+    CelRule(path=("engine", "speculative"), rule="self.method != 'draft' || has(self.draftModel)",
+            message="draftModel is required when method is draft",
+            check=lambda o: o.get("method") != "draft" or "draftModel" in o),
+    CelRule(path=("engine", "speculative"), rule="!has(self.draftModel) || self.method == 'draft'",
+            message="draftModel is only used when method is draft",
+            check=lambda o: "draftModel" not in o or o.get("method") == "draft"),
+    CelRule(path=("autoscaling",), rule="self.minReplicas <= self.maxReplicas",
+            message="minReplicas must be <= maxReplicas",
+            check=lambda o: int(o.get("minReplicas", 1)) <= int(o.get("maxReplicas", 1))),
+    CelRule(path=(), rule="self.engine.kind != 'vllm' || self.engine.speculative.method != 'self_draft'",
+            message="the vllm engine does not support self_draft speculation",
+            check=lambda o: o["engine"]["kind"] != "vllm" or o["engine"]["speculative"]["method"] != "self_draft"),
+    CelRule(path=(), rule="self.engine.kind != 'vllm' || !self.model.uri.startsWith('bundled://')",
+            message="bundled:// models are served by the builtin engine only",
+            check=lambda o: o["engine"]["kind"] != "vllm" or not str(o["model"]["uri"]).startswith("bundled://")),
+    CelRule(path=("policies", "outputLength"), rule="self.defaultMaxTokens <= self.maxOutputTokens",
+            message="defaultMaxTokens must be <= maxOutputTokens",
+            check=lambda o: int(o.get("defaultMaxTokens", 256)) <= int(o.get("maxOutputTokens", 2048))),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """A parsed model URI. `kind` is bundled, hf, pvc or file."""
+
+    kind: str
+    uri: str
+    name: str  # bundled name, hf repo id, or path inside the claim / filesystem
+    revision: str | None = None  # hf only
+    claim: str | None = None  # pvc only
+
+
+def parse_model_uri(uri: str, *, field: str = "model.uri") -> ModelSource:
+    if not _MODEL_URI.match(uri):
+        raise InvalidSpecError(f"{field}: {uri!r} is not bundled://NAME, hf://ORG/NAME[@REV], pvc://CLAIM/PATH "
+                               "or file:///PATH")
+    scheme, rest = uri.split("://", 1)
+    if scheme == "bundled":
+        if rest not in BUNDLED_MODELS:
+            raise InvalidSpecError(f"{field}: the image bundles only {', '.join(BUNDLED_MODELS)}, not {rest!r}")
+        return ModelSource(kind="bundled", uri=uri, name=rest)
+    if scheme == "hf":
+        repo, _, revision = rest.partition("@")
+        return ModelSource(kind="hf", uri=uri, name=repo, revision=revision or "main")
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        return ModelSource(kind="pvc", uri=uri, name=path.rstrip("/"), claim=claim)
+    return ModelSource(kind="file", uri=uri, name=rest)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidatedSpec:
+    """A spec that passed every check, with its parsed parts ready for the manifest builders."""
+
+    spec: DecodeServiceSpec
+    model: ModelSource
+    draft: ModelSource | None
+    policy: Policy
+    served_name: str
+
+
+def _format(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "spec"
+        parts.append(f"spec.{where}: {'unknown field' if err['type'] == 'extra_forbidden' else err['msg']}")
+    return "; ".join(parts)
+
+
+def _at(obj: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any] | None:
+    node: Any = obj
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    return node if isinstance(node, Mapping) else None
+
+
+def validate_spec(raw: Mapping[str, Any] | None) -> ValidatedSpec:
+    """Parse and check a DecodeService `spec`; raises InvalidSpecError naming every problem it finds."""
+    if not isinstance(raw, Mapping):
+        raise InvalidSpecError("spec: expected a mapping")
+    try:
+        spec = DecodeServiceSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise InvalidSpecError(_format(exc)) from None
+    try:
+        policy = Policy.from_mapping(spec.policies, source="spec.policies")
+    except PolicyError as exc:
+        raise InvalidSpecError(str(exc)) from None
+    # The CEL twins run on the fully defaulted spec, as the API server would see it after defaulting.
+    defaulted = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    defaulted["policies"] = policy.to_dict()
+    for rule in CEL_RULES:
+        node = _at(defaulted, rule.path)
+        if node is not None and not rule.check(node):
+            where = ".".join(("spec", *rule.path))
+            raise InvalidSpecError(f"{where}: {rule.message}")
+    model = parse_model_uri(spec.model.uri)
+    speculative = spec.engine.speculative
+    draft = None
+    if speculative.draft_model is not None:
+        draft = parse_model_uri(speculative.draft_model, field="engine.speculative.draftModel")
+    _check_engine(spec, model=model, draft=draft)
+    served = spec.model.served_name or model.name.rstrip("/").rsplit("/", 1)[-1]
+    return ValidatedSpec(spec=spec, model=model, draft=draft, policy=policy, served_name=served)
+
+
+def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSource | None) -> None:
+    """Rules that need to know what each engine supports; the schema cannot express these."""
+    engine = spec.engine
+    if draft is not None and draft.kind == "pvc" and model.kind == "pvc" and draft.claim != model.claim:
+        raise InvalidSpecError("spec.engine.speculative.draftModel: a pvc:// draft must live on the model's claim "
+                               f"{model.claim!r}, not {draft.claim!r}")
+    if draft is not None and draft.kind == "pvc" and model.kind != "pvc":
+        raise InvalidSpecError("spec.engine.speculative.draftModel: a pvc:// draft needs a pvc:// model on the "
+                               "same claim")
+    if engine.kind is EngineKind.VLLM:
+        if spec.resources.gpus < 1:
+            raise InvalidSpecError("spec.resources.gpus: the vllm engine needs at least one GPU")
+        if engine.quantization is not Quantization.NONE:
+            raise InvalidSpecError("spec.engine.quantization: int8 is a builtin-engine mode; give vLLM a "
+                                   "pre-quantized model instead")
+        if engine.kv_cache_gib is not None:
+            raise InvalidSpecError("spec.engine.kvCacheGiB: the vllm engine sizes its cache with "
+                                   "gpuMemoryFraction")
+    if engine.gpu_memory_fraction is not None and spec.resources.gpus == 0:
+        raise InvalidSpecError("spec.engine.gpuMemoryFraction: needs resources.gpus > 0; use kvCacheGiB on CPU")

@@ -1,0 +1,87 @@
+"""JSON body parser: the outermost policy component of the completion routes.
+
+It enforces `outputLength.maxBodyBytes` (413 before anything reaches the upstream, checked against
+Content-Length first so an oversized upload is not even read), parses the JSON object (400 when it is
+not one), reads `x-priority` / `x-tenant`, and puts the `RequestContext` into the scope.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from decodeservice.proxy.context import RequestContext, set_context
+from decodeservice.proxy.errors import BadRequest, PayloadTooLarge
+from decodeservice.proxy.policy import PriorityClass
+
+PRIORITY_HEADER = "x-priority"
+TENANT_HEADER = "x-tenant"
+
+
+class JsonBody:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, default_class: PriorityClass):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.default_class = default_class
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrived = time.perf_counter()
+        headers = Headers(scope=scope)
+        priority = self._priority(headers)
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        raw = await self._read(receive)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}", reason="malformed_json") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object", reason="malformed_json")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("`stream` must be a boolean", param="stream", reason="invalid_field")
+        tenant = headers.get(TENANT_HEADER) or None
+        ctx = RequestContext(body=body, priority=priority, tenant=tenant, arrived=arrived, stream=stream)
+        set_context(scope, ctx)
+        await self.app(scope, receive, send)
+
+    def _priority(self, headers: Headers) -> PriorityClass:
+        value = headers.get(PRIORITY_HEADER)
+        if value is None or value == "":
+            return self.default_class
+        try:
+            return PriorityClass(value.strip().lower())
+        except ValueError:
+            allowed = ", ".join(p.value for p in PriorityClass)
+            raise BadRequest(
+                f"header {PRIORITY_HEADER} must be one of: {allowed} (got {value!r})",
+                param=PRIORITY_HEADER, reason="invalid_priority",
+            ) from None
+
+    async def _read(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                # Nobody is left to answer; the boundary sees the disconnect and sends nothing useful.
+                raise BadRequest("client disconnected while sending the body", reason="disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(
+            f"request body exceeds the limit of {self.max_body_bytes} bytes", reason="body_too_large"
+        )

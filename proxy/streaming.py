@@ -1,0 +1,144 @@
+"""Relaying an upstream response to the client chunk by chunk, and measuring it on the way.
+
+Bytes go to the client as soon as httpx hands them over (no buffering, no re-encoding). A watcher on
+`receive()` notices the client leaving and cancels the relay at once; the caller then closes the httpx
+response, which closes the upstream connection so the engine aborts the request. When the upstream dies
+mid-stream, an SSE stream gets a terminal `data: {"error": ...}` event and is then closed cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from typing import Any
+
+import httpx
+from starlette.types import Message, Receive, Send
+
+from decodeservice.proxy.errors import error_body
+
+# Connection-level headers are per hop (RFC 9110 7.6.1); the length is the ASGI server's business.
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade", b"content-length",
+})
+_MAX_USAGE_BUFFER = 1 << 20
+
+
+class SseMeter:
+    """Incremental SSE scanner: when each token-carrying event arrived, and the final usage if sent."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.token_times: list[float] = []
+        self.usage_completion_tokens: int | None = None
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # the (possibly empty) unterminated tail
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip(), now)
+
+    def _event(self, payload: bytes, now: float) -> None:
+        if not payload or payload == b"[DONE]":
+            return
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        usage = event.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_completion_tokens = usage["completion_tokens"]
+        if any(_carries_token(c) for c in event.get("choices") or () if isinstance(c, dict)):
+            self.token_times.append(now)
+
+    @property
+    def output_tokens(self) -> int:
+        if self.usage_completion_tokens is not None:
+            return self.usage_completion_tokens
+        return len(self.token_times)
+
+
+def _carries_token(choice: dict[str, Any]) -> bool:
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and bool(
+        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+    )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RelayResult:
+    status: int
+    finished: float = 0.0
+    disconnected: bool = False  # the client left; the relay stopped
+    upstream_died: bool = False  # the upstream broke off mid-body
+    is_sse: bool = False
+    body_tail: bytes = b""  # a non-streamed body (up to 1 MiB), to read `usage` from
+
+
+def response_headers(response: httpx.Response, extra: list[tuple[bytes, bytes]] | None = None,
+                     ) -> list[tuple[bytes, bytes]]:
+    headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+    return headers + (extra or [])
+
+
+async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter: SseMeter | None) -> RelayResult:
+    """Send the response to the client; return what happened. Does not close `response`."""
+    result = RelayResult(status=response.status_code)
+    result.is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+    pump = asyncio.create_task(_pump(response, send, meter, result))
+    watch = asyncio.create_task(_wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pump, watch):
+            task.cancel()
+        for task in (pump, watch):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if pump not in done or pump.cancelled():
+        result.disconnected = True
+    elif (exc := pump.exception()) is not None:
+        if isinstance(exc, OSError):  # the ASGI server reports a vanished client this way
+            result.disconnected = True
+        else:
+            raise exc
+    result.finished = time.perf_counter()
+    return result
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _pump(response: httpx.Response, send: Send, meter: SseMeter | None, result: RelayResult) -> None:
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response_headers(response)})
+    tail = bytearray()
+    try:
+        async for chunk in response.aiter_raw():
+            if meter is not None and result.is_sse:
+                meter.feed(chunk, time.perf_counter())
+            elif len(tail) < _MAX_USAGE_BUFFER:
+                tail += chunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except httpx.HTTPError as exc:
+        result.upstream_died = True
+        if result.is_sse:
+            event = error_body(f"upstream connection lost mid-stream: {type(exc).__name__}",
+                               error_type="upstream_error", code="upstream_died")
+            await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
+    result.body_tail = bytes(tail)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,143 @@
+"""Talking to the upstream engine with httpx: the policy chain's innermost app, plain pass-through, /ready.
+
+Failures before the response starts (connection refused, reset, timeout) are answered 503 with
+`Retry-After`; failures after it are handled by the relay (terminal SSE error event, clean close).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from decodeservice.proxy.context import get_context
+from decodeservice.proxy.errors import UpstreamUnavailable
+from decodeservice.proxy.metrics import ProxyMetrics
+from decodeservice.proxy.slo import RequestOutcome
+from decodeservice.proxy.streaming import SseMeter, relay
+
+RETRY_AFTER_SECONDS = 1
+_DROP_REQUEST_HEADERS = frozenset({
+    b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
+    b"accept-encoding", b"proxy-authorization",
+})
+
+
+def make_client(*, max_connections: int) -> httpx.AsyncClient:
+    # No read timeout: a long generation may legitimately pause; the client's disconnect ends it instead.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    )
+
+
+def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST_HEADERS]
+    # Identity encoding keeps the SSE bytes readable for the meter and free of re-compression.
+    headers.append((b"accept-encoding", b"identity"))
+    return headers
+
+
+async def _open(client: httpx.AsyncClient, request: httpx.Request, metrics: ProxyMetrics) -> httpx.Response:
+    try:
+        return await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        kind = "unreachable" if isinstance(exc, httpx.ConnectError) else "failed_before_response"
+        metrics.upstream_errors.labels(kind).inc()
+        raise UpstreamUnavailable(
+            f"upstream engine unavailable: {type(exc).__name__}",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}, reason=kind,
+        ) from None
+
+
+class Forwarder:
+    """Sends the (policy-rewritten) JSON body upstream and relays the answer, measuring it."""
+
+    def __init__(self, *, client: httpx.AsyncClient, upstream_url: str, metrics: ProxyMetrics):
+        self.client = client
+        self.base = upstream_url.rstrip("/")
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ctx = get_context(scope)
+        request = self.client.build_request(
+            "POST", self.base + scope["path"], content=json.dumps(ctx.body).encode(), headers=forward_headers(scope),
+        )
+        request.headers["content-type"] = "application/json"
+        started = time.perf_counter()
+        response = await _open(self.client, request, self.metrics)
+        meter = SseMeter()
+        try:
+            result = await relay(response, receive=receive, send=send, meter=meter)
+        finally:
+            await response.aclose()  # on a disconnect this drops the upstream connection: the engine aborts
+        if result.upstream_died:
+            self.metrics.upstream_errors.labels("died_mid_stream").inc()
+        if result.disconnected:
+            ctx.client_disconnected = True
+        if not result.is_sse:
+            ctx.output_tokens = _usage_tokens(result.body_tail)
+        else:
+            ctx.output_tokens = meter.output_tokens
+        if result.status != 200 or result.disconnected or result.upstream_died:
+            return
+        times = meter.token_times
+        first = times[0] if times else None
+        self.metrics.record(RequestOutcome(
+            priority=ctx.priority,
+            finished=result.finished,
+            ttft=None if first is None else first - ctx.arrived,
+            upstream_ttft=None if first is None else first - started,
+            service_time=result.finished - started,
+            e2e=result.finished - ctx.arrived,
+            itls=tuple(b - a for a, b in zip(times, times[1:], strict=False)),
+            output_tokens=ctx.output_tokens,
+        ))
+
+
+def _usage_tokens(body: bytes) -> int:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return 0
+    usage = data.get("usage") if isinstance(data, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else 0
+
+
+class PassThrough:
+    """Forwards any other request (GET /v1/models, POST /tokenize, ...) without policies."""
+
+    def __init__(self, *, client: httpx.AsyncClient, upstream_url: str, metrics: ProxyMetrics):
+        self.client = client
+        self.base = upstream_url.rstrip("/")
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = self.base + scope["path"] + (f"?{query}" if query else "")
+        request = self.client.build_request(scope["method"], url, content=bytes(body),
+                                            headers=forward_headers(scope))
+        response = await _open(self.client, request, self.metrics)
+        try:
+            await relay(response, receive=receive, send=send, meter=None)
+        finally:
+            await response.aclose()
+
+
+async def upstream_ready(client: httpx.AsyncClient, upstream_url: str, *, timeout: float = 2.0) -> bool:
+    try:
+        response = await client.get(upstream_url.rstrip("/") + "/ready", timeout=timeout)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200

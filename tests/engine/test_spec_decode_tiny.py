@@ -1,0 +1,205 @@
+"""Speculative decoding on tiny random models: greedy identity, rollback bookkeeping, mixed batches,
+the off-switch, adaptive k and the counters."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from decodeservice.engine import ConfigError, Engine, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
+from decodeservice.engine.loader.registry import resolve_model_path
+from decodeservice.engine.model import LlamaModel
+from decodeservice.engine.spec_decode.proposers import DraftModelProposer, ngram_lookup
+from decodeservice.engine.tokenizer import Tokenizer
+
+TINY = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# Periodic, copy-like and plain prompts (token ids), so n-gram lookup both hits and misses.
+PROMPTS: list[list[int]] = [[5, 6, 7, 8, 9] * 3, list(range(100, 140)), [300, 301, 302, 303] * 8 + [300],
+                            [7, 1000, 2000, 7, 1000]]
+
+
+def tiny_model(seed: int, *, std: float = 0.5, base: LlamaModel | None = None) -> LlamaModel:
+    """Random weights scaled so the next token depends on context (with unit-variance embeddings
+    tied to the head, a random model only ever repeats its input). With `base`, a noisy copy of it:
+    a draft that agrees with the target often, but not always."""
+    torch.manual_seed(seed)
+    model = LlamaModel(TINY)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            noise = torch.randn_like(param) * std / param.shape[-1] ** 0.5
+            param.copy_(noise if base is None else base.get_parameter(name) + noise)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return read_gguf_tokenizer(resolve_model_path("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(0, std=8.0)
+
+
+def make_engine(target: LlamaModel, tokenizer: Tokenizer, spec: dict[str, Any] | None = None, *,
+                draft: LlamaModel | None = None, **config: Any) -> Engine:
+    config.setdefault("num_gpu_blocks_override", 96)
+    return Engine(model=target, tokenizer=tokenizer, draft=draft,
+                  config=EngineConfig(speculative=SpeculativeConfig.parse(spec), **config))
+
+
+METHODS = [
+    pytest.param({"method": "ngram", "num_tokens": 4}, id="ngram"),
+    pytest.param({"method": "draft", "draft_model": "noisy-copy", "num_tokens": 3}, id="draft"),
+    pytest.param({"method": "self_draft", "draft_layers": 2, "num_tokens": 5}, id="self_draft"),
+]
+
+
+@pytest.mark.parametrize("spec", METHODS)
+def test_greedy_output_is_identical_with_speculation(spec: dict[str, Any], target: LlamaModel,
+                                                     tokenizer: Tokenizer) -> None:
+    baseline = make_engine(target, tokenizer).generate(PROMPTS, GREEDY)
+    draft = tiny_model(1, std=0.5, base=target) if spec["method"] == "draft" else None
+    engine = make_engine(target, tokenizer, spec, draft=draft)
+    outputs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in baseline]
+    stats = engine.stats().spec_decode
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # it really speculated
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and really rolled back
+
+
+def block_owners(engine: Engine) -> Counter[int]:
+    owners: Counter[int] = Counter()
+    for seq in engine.scheduler.running:
+        owners.update(seq.block_ids)
+    return owners
+
+
+@pytest.mark.parametrize("spec", METHODS)
+def test_allocator_is_consistent_after_rollbacks(spec: dict[str, Any], target: LlamaModel,
+                                                 tokenizer: Tokenizer) -> None:
+    draft = tiny_model(1, std=0.5, base=target) if spec["method"] == "draft" else None
+    # A small pool with prefix caching, so rollback, block sharing and preemption all happen.
+    engine = make_engine(target, tokenizer, spec, draft=draft, num_gpu_blocks_override=40, block_size=4,
+                         max_model_len=128)
+    for prompt in PROMPTS * 2:
+        engine.add_request(prompt, GREEDY)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert steps < 2000
+        kv = engine.kv
+        owners = block_owners(engine)
+        for block in kv.blocks:
+            # Every block's reference count is exactly the number of live sequences holding it...
+            assert block.ref_count == owners[block.block_id], f"block {block.block_id}"
+            # ...and a block is in the free queue exactly when nobody holds it.
+            assert (block.block_id in kv._free) == (block.ref_count == 0)
+        for seq in engine.scheduler.running:
+            assert len(seq.block_ids) == len(set(seq.block_ids))
+            # Rejected slots were given back: blocks cover exactly the computed tokens.
+            assert len(seq.block_ids) == kv.blocks_needed(seq.num_computed_tokens)
+        proposer = engine.spec.proposer if engine.spec is not None else None
+        if isinstance(proposer, DraftModelProposer):
+            held = [b for blocks in proposer.owned_blocks().values() for b in blocks]
+            assert len(held) == len(set(held)), "a draft block is owned twice"
+            assert len(held) + proposer.num_free_blocks == engine.kv.num_blocks, "a draft block leaked"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    if engine.spec is not None and isinstance(engine.spec.proposer, DraftModelProposer):
+        assert engine.spec.proposer.num_free_blocks == engine.kv.num_blocks
+    assert engine.stats().spec_decode.num_drafts > 0
+
+
+def test_mixed_batch_gives_each_sequence_its_solo_output(target: LlamaModel, tokenizer: Tokenizer) -> None:
+    spec = {"method": "ngram", "num_tokens": 4}
+    solo = [make_engine(target, tokenizer, spec).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    # max_tokens=1 for the last one keeps it from ever speculating (nothing left to draft for), and
+    # a prompt admitted mid-way is in prefill while the others verify drafts.
+    engine = make_engine(target, tokenizer, spec)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    one_token = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    ids += [engine.add_request(p, GREEDY) for p in PROMPTS[2:]]
+    done: dict[str, list[int]] = {}
+    saw_mixed = False
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+        # Someone in this step cannot speculate: still prefilling, about to be admitted, or one
+        # token from its limit.
+        plain = bool(engine.scheduler.waiting) or any(
+            s.in_prefill or s.params.max_tokens - len(s.output_token_ids) <= 1 for s in running)
+        drafts_before = engine.stats().spec_decode.num_drafts
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        saw_mixed |= plain and engine.stats().spec_decode.num_drafts > drafts_before
+    assert [done[i] for i in ids] == solo
+    assert len(done[one_token]) == 1
+    assert saw_mixed
+
+
+def test_off_switch_and_adaptive_k(target: LlamaModel, tokenizer: Tokenizer) -> None:
+    spec = {"method": "ngram", "num_tokens": 4, "disable_batch_size": 3}
+    engine = make_engine(target, tokenizer, spec)
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        before = len(engine.scheduler.running)
+        engine.step()
+        if before >= 3:
+            assert engine.stats().spec_decode.num_drafts == 0  # three running: nobody drafts
+    big = engine.stats().spec_decode
+    assert big.num_drafts == 0
+    engine.generate(PROMPTS[:2], GREEDY)
+    stats = engine.stats().spec_decode
+    assert stats.num_drafts > 0
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert list(stats.accepted_per_position) == sorted(stats.accepted_per_position, reverse=True)
+    # Adaptive k: a request whose drafts keep failing shrinks k to 1; one whose drafts all land keeps k.
+    for draft, shrinks in ((tiny_model(5, std=8.0), True), (target, False)):
+        engine = make_engine(target, tokenizer, {"method": "draft", "draft_model": "x", "num_tokens": 4},
+                             draft=draft)
+        engine.add_request(PROMPTS[1], GREEDY)
+        seen_k: list[int] = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            seen_k += [s.spec_num_tokens for s in engine.scheduler.running]
+        stats = engine.stats().spec_decode
+        assert stats.num_drafts > 0
+        if shrinks:
+            assert 1 in seen_k and stats.num_draft_tokens < 4 * stats.num_drafts
+        else:
+            assert set(seen_k) == {4} and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_ngram_lookup() -> None:
+    assert ngram_lookup([1, 2, 3, 4, 1, 2], n_min=1, n_max=3, k=2) == [3, 4]
+    assert ngram_lookup([1, 2, 3, 9, 2, 3], n_min=1, n_max=3, k=3) == [9, 2, 3]
+    assert ngram_lookup([1, 2, 3], n_min=1, n_max=3, k=2) == []
+    # Longest match wins: "8 2" occurs once, "2" alone later, followed by something else.
+    assert ngram_lookup([8, 2, 5, 6, 2, 7, 8, 2], n_min=1, n_max=2, k=2) == [5, 6]
+    # A periodic tail still yields k tokens.
+    assert ngram_lookup([4, 4, 4, 4, 4], n_min=1, n_max=2, k=3) == [4, 4, 4]
+    assert ngram_lookup([1, 2], n_min=2, n_max=2, k=2) == []
+
+
+def test_bad_configurations_are_rejected(target: LlamaModel, tokenizer: Tokenizer) -> None:
+    with pytest.raises(ConfigError, match="draft_layers"):
+        make_engine(target, tokenizer, {"method": "self_draft", "draft_layers": 4})
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        make_engine(target, tokenizer, {"method": "draft", "draft_model": "x"})
+    with pytest.raises(ConfigError, match="unknown speculative method"):
+        SpeculativeConfig.parse({"method": "medusa"})
+    with pytest.raises(ConfigError, match="bad speculative config"):
+        SpeculativeConfig.parse({"method": "ngram", "k": 3})
+    assert SpeculativeConfig.parse({"method": None}) is None
