@@ -102,14 +102,21 @@ def plot(report: BenchReport, path: Path) -> None:
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
 
+    # Levels of one sweep form a curve; different configurations ("speculation off c=4" vs "... on c=4")
+    # are separate series, never joined by a line.
+    series: dict[str, list[LevelSummary]] = {}
+    for level in report.levels:
+        series.setdefault(level.label.rsplit(" ", 1)[0] if " " in level.label else "", []).append(level)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, clock, name in ((axes[0], "ttft", "TTFT"), (axes[1], "itl", "ITL")):
-        xs = [level.output_throughput for level in report.levels]
-        for pct, style in (("p50", "o-"), ("p99", "s--")):
-            ys = [getattr(getattr(level, clock), pct) for level in report.levels]
-            points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{name} {pct}")
+        for prefix, levels in series.items():
+            xs = [level.output_throughput for level in levels]
+            for pct, style in (("p50", "o-"), ("p99", "s--")):
+                ys = [getattr(getattr(level, clock), pct) for level in levels]
+                points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], style,
+                            label=f"{prefix} {name} {pct}".strip())
         for level in report.levels:
             y = getattr(level, clock).p50
             if y is not None:

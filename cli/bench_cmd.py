@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as exc:
         # Bad options, bad dataset files and unreachable servers are all the user's to fix: exit code 2.
         raise UsageError(str(exc)) from None
-    Console().print(report.table(result))
+    stdout = Console()
+    # Piped output (CI, `| tee`) has no terminal width; the default 80 columns would wrap every cell.
+    (stdout if stdout.is_terminal else Console(width=200)).print(report.table(result))
     paths = report.write(result, args.out)
     stderr.print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(level.completed for level in result.levels) else 1

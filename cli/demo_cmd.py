@@ -18,8 +18,8 @@ def register(subparsers: Any) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, default=Path("demo-results"), help="report folder (default ./demo-results)")
-    parser.add_argument("--num-requests", type=int, help="requests per run (default 12; --quick: 4)")
-    parser.add_argument("--max-tokens", type=int, help="cap on each request's output length (default 96; --quick: 32)")
+    parser.add_argument("--num-requests", type=int, help="requests per run (default 8; --quick: 4)")
+    parser.add_argument("--max-tokens", type=int, help="cap on each request's output length (default 48; --quick: 24)")
     parser.add_argument("--quick", action="store_true", help="a smaller workload, for a first look or CI")
     parser.set_defaults(func=run)
 
@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         demo.close()
         signal.signal(signal.SIGTERM, previous)
-    Console().print(side_by_side(result))
+    stdout = Console()
+    # Piped output (CI, `| tee`) has no terminal width; the default 80 columns would wrap every cell.
+    (stdout if stdout.is_terminal else Console(width=160)).print(side_by_side(result))
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from decodeservice.engine.server.serve import serve
     from decodeservice.engine.server.settings import ServerSettings
 
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port")
     kwargs = engine_kwargs(args)
     try:
         # Check everything a user can get wrong before listening: a bad flag is exit 2, not a crash loop.
@@ -82,10 +84,10 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                                   max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
         model_path = resolve_model_path(args.model)
+        if args.draft_model:
+            resolve_model_path(args.draft_model)  # a typo fails here, not after minutes of loading
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port {args.port} is not a TCP port")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(settings, engine_factory=lambda: Engine.from_pretrained(model_path, **kwargs),

@@ -40,4 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m` this file runs as __main__; dispatch through the package module so that
+    # UsageError is the same class the subcommands raise.
+    from decodeservice.cli.main import main as package_main
+
+    sys.exit(package_main())

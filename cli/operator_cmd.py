@@ -1,17 +1,50 @@
-"""`decodectl operator`."""
+"""`decodectl operator`: run the DecodeService operator (kopf, in-process)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from decodeservice.cli.main import UsageError
+
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("operator", help="(not yet available)")
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "operator", help="reconcile DecodeServices into engine + proxy pods",
+        description="Run the DecodeService operator against the cluster in the kubeconfig or service account.")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs like 'team-*' work)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (default)")
+    parser.add_argument("--liveness", metavar="URL", default=None,
+                        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--image", default=None, help="image of the engine/proxy containers (default: built-in)")
+    parser.add_argument("--vllm-image", default=None, help="default image for engine.kind=vllm")
+    parser.add_argument("--resync-seconds", type=float, default=60.0, help="drift repair interval (default 60)")
+    parser.add_argument("--drain-seconds", type=int, default=10, help="pods' preStop drain (default 10)")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from decodeservice.cli.main import UsageError
+    import kopf
 
-    raise UsageError("not implemented yet")
+    from decodeservice.operator.handlers import OperatorConfig, build_registry
+    from decodeservice.operator.manifests import BuildOptions
+
+    build_kwargs: dict[str, Any] = {"drain_seconds": args.drain_seconds}
+    if args.image:
+        build_kwargs["image"] = args.image
+    if args.vllm_image:
+        build_kwargs["vllm_image"] = args.vllm_image
+    try:
+        config = OperatorConfig(build=BuildOptions(**build_kwargs), resync_seconds=args.resync_seconds)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.liveness is not None and not args.liveness.startswith(("http://", "https://")):
+        raise UsageError(f"--liveness must be an http(s) URL, got {args.liveness!r}")
+    kopf.configure(verbose=args.verbose)
+    # Standalone: one operator replica (the chart runs exactly one), so no kopf peering objects are needed.
+    kopf.run(registry=build_registry(config), standalone=True, clusterwide=not args.namespace,
+             namespaces=args.namespace, liveness_endpoint=args.liveness)
+    return 0

@@ -28,6 +28,7 @@ class DecodeGroup:
     query_valid: torch.Tensor  # (B, Q) bool
     block_tables: torch.Tensor  # (B, M) block ids, padded with 0
     attn_mask: torch.Tensor  # (B, 1, Q, M*block_size) bool, True = may attend
+    covers_all_in_order: bool  # Q == 1 and the group is packed tokens 0..B-1, in order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +88,13 @@ class Rotary(nn.Module):
         self.cos = angles.cos()
         self.sin = angles.sin()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (N, heads, D); positions: (N,)
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (N, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (N, 1, D) for these positions; looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: (N, heads, D)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -106,18 +110,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(n, self.num_heads, self.head_dim), positions)  # (N, H, D)
-        k = rotary(k.view(n, self.num_kv_heads, self.head_dim), positions)  # (N, Hkv, D)
+        q = Rotary.rotate(q.view(n, self.num_heads, self.head_dim), *rope)  # (N, H, D)
+        k = Rotary.rotate(k.view(n, self.num_kv_heads, self.head_dim), *rope)  # (N, Hkv, D)
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x: (N, C); k_cache/v_cache: (num_blocks, block_size, Hkv, D)
-        q, k, v = self.project(x, batch.positions, rotary)
+        q, k, v = self.project(x, rope)
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
 
@@ -133,7 +137,12 @@ class Attention(nn.Module):
                 queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=group.attn_mask, enable_gqa=True,
             ).transpose(1, 2)  # (B, Q, H, D)
-            out[group.query_index[group.query_valid]] = attended[group.query_valid]
+            if group.covers_all_in_order:  # pure decode: rows are already the packed tokens
+                if not batch.prefills:
+                    return self.o_proj(attended.reshape(x.shape[0], self.q_size))
+                out[: attended.shape[0]] = attended[:, 0]
+            else:
+                out[group.query_index[group.query_valid]] = attended[group.query_valid]
         for piece in batch.prefills:
             s, t = piece.token_start, piece.num_tokens
             qs = q[s : s + t].transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
@@ -154,9 +163,9 @@ class Attention(nn.Module):
             out[s : s + t] = attended[0].transpose(0, 1)
         return self.o_proj(out.view(x.shape[0], self.q_size))
 
-    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: (T, C), one sequence, no cache
-        q, k, v = self.project(x, positions, rotary)
+        q, k, v = self.project(x, rope)
         attended = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, enable_gqa=True,
@@ -207,8 +216,9 @@ class LlamaModel(nn.Module):
 
         `num_layers` runs only the first L layers (self-drafting reuses the target this way)."""
         h = self.embed_tokens(batch.input_ids)  # (N, C)
+        rope = self.rotary.tables(batch.positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.decoder_layers()[:num_layers], kv_caches, strict=False):
-            h = h + layer.self_attn(layer.input_layernorm(h), batch, self.rotary, k_cache, v_cache)
+            h = h + layer.self_attn(layer.input_layernorm(h), batch, rope, k_cache, v_cache)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h[batch.logits_index])  # (S, C)
 
@@ -221,8 +231,9 @@ class LlamaModel(nn.Module):
         """Reference path: logits (T, V) for one sequence (T,), recomputing everything."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         h = self.embed_tokens(input_ids)  # (T, C)
+        rope = self.rotary.tables(positions, h.dtype)
         for layer in self.decoder_layers()[:num_layers]:
-            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), positions, self.rotary)
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), rope)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.compute_logits(self.norm(h))
 

@@ -114,4 +114,5 @@ class ModelRunner:
             query_valid=valid.to(self.device),
             block_tables=tables.to(self.device),
             attn_mask=mask.to(self.device),
+            covers_all_in_order=max_q == 1 and bool((starts == torch.arange(b)).all()),
         )

@@ -8,6 +8,7 @@ retryable (5xx, 409, 429, network) from the permanent.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ssl
 import tempfile
@@ -85,6 +86,8 @@ class KubeClient:
 
     async def close(self) -> None:
         await self._session.close()
+        # aiohttp closes plain transports on the next loop iterations; give them those before the loop ends.
+        await asyncio.sleep(0.05)
 
     async def _request(self, method: str, path: str, *, body: Any = None,
                        content_type: str = "application/json") -> dict[str, Any]:

@@ -172,7 +172,7 @@ async def completions(request: Request) -> Response:
     prompt_ids = _encode(aengine, prompt, chat=False)
     max_tokens = req.max_tokens or state.settings.default_completion_max_tokens
     gen = _generation(state, aengine, req, prompt_ids, max_tokens=max_tokens, logprobs=req.logprobs, kind="completion")
-    return await _respond(gen, stream=req.stream, include_usage=req.include_usage,
+    return await _respond(request, gen, stream=req.stream, include_usage=req.include_usage,
                           want_logprobs=req.logprobs is not None)
 
 
@@ -190,7 +190,8 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.requested_max_tokens or aengine.engine.max_model_len - len(prompt_ids)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     gen = _generation(state, aengine, req, prompt_ids, max_tokens=max_tokens, logprobs=logprobs, kind="chat")
-    return await _respond(gen, stream=req.stream, include_usage=req.include_usage, want_logprobs=req.logprobs)
+    return await _respond(request, gen, stream=req.stream, include_usage=req.include_usage,
+                          want_logprobs=req.logprobs)
 
 
 def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], *,
@@ -205,11 +206,23 @@ def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest
     return Generation(state, aengine, prompt_ids=prompt_ids, params=params, priority=req.priority, meta=meta)
 
 
-async def _respond(gen: Generation, *, stream: bool, include_usage: bool, want_logprobs: bool) -> Response:
+async def _respond(request: Request, gen: Generation, *, stream: bool, include_usage: bool,
+                   want_logprobs: bool) -> Response:
     if stream:
         return EventStreamResponse(_events(gen, include_usage=include_usage, want_logprobs=want_logprobs))
+    # Nothing cancels a plain handler when its client leaves, so watch for that ourselves.
+    work = asyncio.ensure_future(gen.final())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        final, entries = await gen.final()
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()  # cancelling `work` closes the engine stream, which aborts the request
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    try:
+        final, entries = work.result()
     except EngineError as exc:
         raise engine_error(exc) from None
     logprobs = None
@@ -218,6 +231,12 @@ async def _respond(gen: Generation, *, stream: bool, include_usage: bool, want_l
         logprobs = fmt.completion_logprobs(tok, entries, offset=0) if gen.meta.kind == "completion" \
             else fmt.chat_logprobs(tok, entries)
     return JSONResponse(fmt.full_response(gen.meta, final, logprobs=logprobs))
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(gen: Generation, *, include_usage: bool, want_logprobs: bool) -> AsyncGenerator[bytes, None]:

@@ -59,7 +59,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(BaseModel):

@@ -35,7 +35,7 @@ def test_sweep_writes_reports(fake_server: Callable[..., str], tmp_path: Path) -
     for level in data["levels"]:
         assert level["completed"] == 8 and level["goodput_fraction"] == 1.0
         assert 4 * 8 <= level["total_output_tokens"] <= 8 * 8
-        assert level["ttft"]["p50"] == pytest.approx(50, rel=0.5)
+        assert 50 <= level["ttft"]["p50"] < 1000  # never faster than the server's 50 ms; accuracy: test_accuracy
     # Four workers finish the same work faster than one.
     assert data["levels"][1]["output_throughput"] > 2 * data["levels"][0]["output_throughput"]
     md = (out / "report.md").read_text()

@@ -101,7 +101,7 @@ def test_stop_strings_and_ids(bundled: ModelBundle, prompts: list[str]) -> None:
 def test_abort_frees_blocks_immediately(bundled: ModelBundle, prompts: list[str]) -> None:
     engine = bundled.engine()
     total = engine.stats().num_free_blocks
-    request_id = engine.add_request(prompts[0] * 4, SamplingParams(max_tokens=100, temperature=0.0))
+    request_id = engine.add_request(prompts[0] * 4, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
     engine.step()
     assert engine.stats().num_free_blocks < total
     assert engine.abort_request(request_id)

@@ -148,6 +148,20 @@ def test_disconnect_aborts_and_frees_blocks(srv: RunningServer) -> None:
     assert srv.sample("vllm:generation_tokens_total") - tokens_before < 100
 
 
+def test_non_streaming_disconnect_aborts(srv: RunningServer) -> None:
+    aborted_before = srv.sample("vllm:request_success_total", finished_reason="abort")
+    tokens_before = srv.sample("vllm:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "Tell me another long story.", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
+    wait_until(lambda: srv.sample("vllm:request_success_total", finished_reason="abort") > aborted_before,
+               timeout=30, what="the abandoned request to be aborted")
+    wait_until(lambda: srv.sample("vllm:num_requests_running") == 0, timeout=30, what="running gauge to be 0")
+    stats = srv.aengine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert srv.sample("vllm:generation_tokens_total") - tokens_before < 200
+
+
 BAD_INPUTS = [
     # (path, body, status, param, code)
     ("/v1/completions", b"{not json", 400, None, "invalid_json"),

@@ -42,6 +42,10 @@ class RunningServer:
         assert aengine is not None
         return aengine
 
+    def wait_ready(self) -> None:
+        wait_until(lambda: httpx.get(f"{self.url}/ready", timeout=30).status_code == 200, timeout=180,
+                   what="/ready", interval=0.1)
+
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
@@ -57,7 +61,8 @@ class RunningServer:
 
 
 @contextmanager
-def running_server(engine_factory: Callable[[], Engine], **settings: object) -> Iterator[RunningServer]:
+def running_server(engine_factory: Callable[[], Engine], *, wait_ready: bool = True,
+                   **settings: object) -> Iterator[RunningServer]:
     """Serve in a background thread (uvicorn installs no signal handlers off the main thread)."""
     server = make_server(ServerSettings(served_model_name=MODEL, **settings),  # type: ignore[arg-type]
                          engine_factory=engine_factory, host="127.0.0.1", port=0, log_level="warning")
@@ -68,8 +73,8 @@ def running_server(engine_factory: Callable[[], Engine], **settings: object) -> 
         assert server.started, "uvicorn did not start"
         port = server.servers[0].sockets[0].getsockname()[1]
         running = RunningServer(server=server, url=f"http://127.0.0.1:{port}")
-        wait_until(lambda: httpx.get(f"{running.url}/ready", timeout=30).status_code == 200, timeout=180,
-                   what="/ready", interval=0.1)
+        if wait_ready:
+            running.wait_ready()
         yield running
     finally:
         server.should_exit = True

@@ -61,6 +61,26 @@ def test_engine_crash_gives_clean_errors_and_unhealthy(bundled: ModelBundle) -> 
         assert after.json()["error"]["code"] == "engine_dead"
 
 
+def test_not_ready_until_loaded_and_warm(bundled: ModelBundle) -> None:
+    loaded = threading.Event()
+
+    def slow_factory() -> Engine:
+        assert loaded.wait(60), "the test never released the load"
+        return bundled.engine(kv_cache_gib=0.25, max_model_len=2048)
+
+    with running_server(slow_factory, wait_ready=False) as srv, srv.client(timeout=60) as http:
+        ready = http.get("/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "loading"
+        assert http.get("/health").json()["status"] == "loading"
+        refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+        loaded.set()
+        srv.wait_ready()
+        # Ready means warm: the warm-up generation has already gone through the engine.
+        assert srv.aengine.stats().generation_tokens >= 1
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def _read_port(proc: subprocess.Popen[str], timeout: float) -> int:
     """Wait for uvicorn's stop words on stderr; they carry the bound port."""
     assert proc.stderr is not None
@@ -90,9 +110,6 @@ def test_sigterm_drains_then_exits_zero() -> None:
     try:
         port = _read_port(proc, timeout=120)
         url = f"http://127.0.0.1:{port}"
-        # Listening is not ready: the weights are still loading.
-        assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).status_code == 200, timeout=180,
                    what="the model to load", interval=0.2)
 

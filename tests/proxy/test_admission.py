@@ -12,7 +12,7 @@ from decodeservice.proxy.admission import PriorityGate
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.policy import Policy, PriorityClass
 
-I, B = PriorityClass.INTERACTIVE, PriorityClass.BATCH
+INTER, B = PriorityClass.INTERACTIVE, PriorityClass.BATCH
 
 
 async def test_gate_serves_interactive_first_and_forgets_cancelled_waiters() -> None:
@@ -26,13 +26,13 @@ async def test_gate_serves_interactive_first_and_forgets_cancelled_waiters() -> 
 
     tasks = [asyncio.create_task(waiter("b1", B))]
     await asyncio.sleep(0)
-    gone = asyncio.create_task(waiter("i-gone", I))
-    tasks += [asyncio.create_task(waiter("i1", I))]
+    gone = asyncio.create_task(waiter("i-gone", INTER))
+    tasks += [asyncio.create_task(waiter("i1", INTER))]
     await asyncio.sleep(0)
-    assert (gate.depth(I), gate.depth(B), gate.ahead(I), gate.ahead(B)) == (2, 1, 2, 3)
+    assert (gate.depth(INTER), gate.depth(B), gate.ahead(INTER), gate.ahead(B)) == (2, 1, 2, 3)
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
-    assert gate.depth(I) == 1
+    assert gate.depth(INTER) == 1
     for _ in range(2):
         gate.release()
         await asyncio.sleep(0)
