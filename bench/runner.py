@@ -45,13 +45,27 @@ class BenchConfig:
 
 
 async def resolve_model(url: str, model: str | None) -> str:
+    """`model`, or the first listed one; an unreachable server fails here, before any progress bar."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
-        models = await list_models(client, url)
+        try:
+            models = await list_models(client, url)
+        except ServerError:
+            if model is None or not await _reachable(client, url):
+                raise
+            models = []  # reachable, but no usable /v1/models: the given name is all we need
     if model is not None:
         return model  # servers may serve names they do not list (aliases); let the server decide
     if not models:
         raise ServerError(f"{url}/v1/models lists no model; pass --model")
     return models[0]
+
+
+async def _reachable(client: httpx.AsyncClient, url: str) -> bool:
+    try:
+        await client.get(url)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 async def run_benchmark(config: BenchConfig, *, console: Console, title: str = "decodectl bench") -> BenchReport:

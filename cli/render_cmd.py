@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.filename}: not valid YAML: {exc}") from None
     if not docs:
         raise UsageError(f"{args.filename}: no DecodeService in the file")
-    options: dict[str, str] = {}
+    options: dict[str, Any] = {}
     if args.image:
         options["image"] = args.image
     if args.vllm_image:

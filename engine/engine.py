@@ -251,11 +251,15 @@ class Engine:
     def generate(self, prompts: Seq[Prompt] | Prompt, params: SamplingParams | Seq[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
+        prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
-        param_list = [params or SamplingParams()] * len(prompt_list) if not isinstance(params, Seq) \
-            else list(params)
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, Seq):
+            param_list = list(params)
+        else:
+            param_list = [params or SamplingParams()] * len(prompt_list)
         if len(param_list) != len(prompt_list):
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
         ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]

@@ -139,7 +139,7 @@ class Attention(nn.Module):
             ).transpose(1, 2)  # (B, Q, H, D)
             if group.covers_all_in_order:  # pure decode: rows are already the packed tokens
                 if not batch.prefills:
-                    return self.o_proj(attended.reshape(x.shape[0], self.q_size))
+                    return F.linear(attended.reshape(x.shape[0], self.q_size), self.o_proj.weight)
                 out[: attended.shape[0]] = attended[:, 0]
             else:
                 out[group.query_index[group.query_valid]] = attended[group.query_valid]
@@ -161,7 +161,7 @@ class Attention(nn.Module):
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True,
             )  # (1, H, T, D)
             out[s : s + t] = attended[0].transpose(0, 1)
-        return self.o_proj(out.view(x.shape[0], self.q_size))
+        return F.linear(out.view(x.shape[0], self.q_size), self.o_proj.weight)
 
     def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: (T, C), one sequence, no cache
@@ -170,7 +170,7 @@ class Attention(nn.Module):
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, enable_gqa=True,
         )  # (1, H, T, D)
-        return self.o_proj(attended[0].transpose(0, 1).reshape(x.shape[0], self.q_size))
+        return F.linear(attended[0].transpose(0, 1).reshape(x.shape[0], self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -182,7 +182,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -220,11 +220,12 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.decoder_layers()[:num_layers], kv_caches, strict=False):
             h = h + layer.self_attn(layer.input_layernorm(h), batch, rope, k_cache, v_cache)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h[batch.logits_index])  # (S, C)
+        hidden: torch.Tensor = self.norm(h[batch.logits_index])  # (S, C)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (S, V)
+        return F.linear(hidden, self.lm_head.weight).float()  # (S, V)
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor, *, num_layers: int | None = None) -> torch.Tensor:

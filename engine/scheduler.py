@@ -90,6 +90,11 @@ class Scheduler:
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 seq.spec_token_ids = []
             while not self.kv.allocate_slots(seq, num_new):
+                if num_spec:  # drafts are optional: drop them before preempting anyone for them
+                    num_new -= num_spec
+                    num_spec = 0
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)

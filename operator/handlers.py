@@ -50,8 +50,12 @@ class _Session:
         self.config = config
         self.connection: kopf.ConnectionInfo | None = config.connection
         self.client: KubeClient | None = None
+        self.closed = False
 
     def get(self) -> KubeClient:
+        if self.closed:
+            # The operator is stopping: a late timer tick must not open a session nobody will close.
+            raise kopf.TemporaryError("the operator is shutting down", delay=self.config.retry_max_seconds)
         if self.client is None:
             if self.connection is None:
                 raise kopf.TemporaryError("not logged in to the API yet", delay=self.config.retry_base_seconds)
@@ -90,6 +94,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        session.closed = True
         if session.client is not None:
             await session.client.close()
             session.client = None

@@ -23,7 +23,12 @@ from decodeservice.engine.outputs import SpecDecodeStats
 from decodeservice.engine.sampler import target_probs
 from decodeservice.engine.scheduler import SchedulerPlan
 from decodeservice.engine.sequence import Sequence
-from decodeservice.engine.spec_decode.proposers import DraftModelProposer, DraftRequest, NgramProposer, Proposer
+from decodeservice.engine.spec_decode.proposers import (
+    DraftModelProposer,
+    DraftRequest,
+    NgramProposer,
+    Proposer,
+)
 from decodeservice.engine.spec_decode.verify import greedy_accept, rejection_sample
 
 # (draft_ids (k,), p (k+1, V), q (k, V) or None, generator) -> accepted drafts + one token

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 
-def create_app(*, ttft: float, itl: float, tokens_per_chunk: int, usage: bool) -> Starlette:
+def create_app(*, ttft: float, itl: float, tokens_per_chunk: int, usage: bool, list_models: bool) -> Starlette:
     received: list[dict[str, Any]] = []
 
     async def models(_: Request) -> Response:
@@ -64,7 +64,7 @@ def create_app(*, ttft: float, itl: float, tokens_per_chunk: int, usage: bool) -
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return Starlette(routes=[
-        Route("/v1/models", models),
+        *([Route("/v1/models", models)] if list_models else []),
         Route("/debug/requests", debug),
         Route("/v1/completions", complete, methods=["POST"]),
         Route("/v1/chat/completions", complete, methods=["POST"]),
@@ -77,8 +77,10 @@ def main() -> None:
     parser.add_argument("--itl", type=float, required=True)
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--no-usage", action="store_true")
+    parser.add_argument("--no-models", action="store_true", help="no GET /v1/models (404), as on some servers")
     args = parser.parse_args()
-    app = create_app(ttft=args.ttft, itl=args.itl, tokens_per_chunk=args.tokens_per_chunk, usage=not args.no_usage)
+    app = create_app(ttft=args.ttft, itl=args.itl, tokens_per_chunk=args.tokens_per_chunk, usage=not args.no_usage,
+                     list_models=not args.no_models)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     print(f"PORT {sock.getsockname()[1]}", flush=True)

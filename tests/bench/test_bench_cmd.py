@@ -22,7 +22,7 @@ def bench(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_sweep_writes_reports(fake_server: Callable[..., str], tmp_path: Path) -> None:
-    url = fake_server("--ttft", "0.05", "--itl", "0.01")
+    url = fake_server("--ttft", "0.1", "--itl", "0.01")
     out = tmp_path / "out"
     result = bench("--url", url, "--dataset", "chat", "--concurrency", "1,4", "--num-requests", "8",
                    "--max-tokens", "uniform:4:8", "--slo", "ttft=1000,itl=200", "--out", str(out))
@@ -35,9 +35,9 @@ def test_sweep_writes_reports(fake_server: Callable[..., str], tmp_path: Path) -
     for level in data["levels"]:
         assert level["completed"] == 8 and level["goodput_fraction"] == 1.0
         assert 4 * 8 <= level["total_output_tokens"] <= 8 * 8
-        assert 50 <= level["ttft"]["p50"] < 1000  # never faster than the server's 50 ms; accuracy: test_accuracy
-    # Four workers finish the same work faster than one.
-    assert data["levels"][1]["output_throughput"] > 2 * data["levels"][0]["output_throughput"]
+        assert 100 <= level["ttft"]["p50"] < 1000  # never faster than the server's 100 ms; accuracy: test_accuracy
+    # Four workers finish the same work faster than one (ideally 4x; loopback overhead on a busy machine).
+    assert data["levels"][1]["request_throughput"] > 2 * data["levels"][0]["request_throughput"]
     md = (out / "report.md").read_text()
     assert "TPOT" in md and "(e2e - TTFT) / (output_tokens - 1)" in md and "| c=4 |" in md
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -88,3 +88,12 @@ def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
     result = bench("--url", "http://127.0.0.1:9", "--num-requests", "1", "--out", str(tmp_path))
     assert result.returncode == 2
     assert "cannot reach http://127.0.0.1:9" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_flag_on_a_server_without_a_model_list(fake_server: Callable[..., str], tmp_path: Path) -> None:
+    url = fake_server("--ttft", "0.01", "--itl", "0.005", "--no-models")
+    result = bench("--url", url, "--num-requests", "2", "--max-tokens", "3", "--out", str(tmp_path))
+    assert result.returncode == 2 and "/v1/models answered HTTP 404" in result.stderr
+    result = bench("--url", url, "--model", "mine", "--num-requests", "2", "--max-tokens", "3", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "report.json").read_text())["settings"]["model"] == "mine"

@@ -103,7 +103,7 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_laye
                    num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 PARAMS = {"temperature": 1.0, "top_k": 3, "max_tokens": 4, "ignore_eos": True}
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8]
-SAMPLES = 2400
+SAMPLES = 1500
 
 
 def tiny_model(seed: int, *, base: LlamaModel | None = None, noise: float = 1.0) -> LlamaModel:

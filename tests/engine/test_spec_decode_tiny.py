@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from decodeservice.engine import ConfigError, Engine, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from decodeservice.engine import (
+    ConfigError,
+    Engine,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
 from decodeservice.engine.loader.registry import resolve_model_path
 from decodeservice.engine.model import LlamaModel
@@ -120,10 +127,12 @@ def test_allocator_is_consistent_after_rollbacks(spec: dict[str, Any], target: L
 
 
 def test_mixed_batch_gives_each_sequence_its_solo_output(target: LlamaModel, tokenizer: Tokenizer) -> None:
-    spec = {"method": "ngram", "num_tokens": 4}
-    solo = [make_engine(target, tokenizer, spec).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    # A draft model drafts at every decode step, so speculating and non-speculating sequences meet.
+    spec = {"method": "draft", "draft_model": "noisy-copy", "num_tokens": 3}
+    draft = tiny_model(1, std=0.1, base=target)
+    solo = [make_engine(target, tokenizer, spec, draft=draft).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     # Prompts admitted mid-way are prefilled (no drafts) in the same steps the others verify drafts.
-    engine = make_engine(target, tokenizer, spec)
+    engine = make_engine(target, tokenizer, spec, draft=draft)
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
     engine.step()
     engine.step()

@@ -20,8 +20,9 @@ from typing import Any
 import kmock
 import kopf
 import pytest
-from decodeservice.operator.handlers import OperatorConfig, build_registry
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo, Server, action, resource
+
+from decodeservice.operator.handlers import OperatorConfig, build_registry
 
 DS = "decode.dev/v1alpha1/decodeservices"
 DEPLOYMENTS = "apps/v1/deployments"

@@ -1,0 +1,176 @@
+"""Speculative decoding benchmark: decode tokens/s with speculation off and on, acceptance, and a
+concurrency sweep, on two workloads made here (deterministic, shipped in code):
+
+- input-grounded: chat-formatted "fix the spelling and return the whole text" and "add a docstring
+  and return the full code" requests, whose answers copy long spans of the prompt;
+- open-ended: chat questions, whose answers copy little.
+
+Decode tokens/s excludes time to first token: per request it is (tokens - 1) / (finish - first
+token). Requests are greedy, so the benchmark also checks that outputs are identical on and off.
+
+    .venv/bin/python benchmarks/spec_decode.py --output spec_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+TYPO_TEXTS = [
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day and the animls in the forrest were "
+    "enjoying the warm wether. Birds were singing in the tres and a small river was runing nearby.",
+    "Our team meting will take place on Tuesday at ten oclock. Please bring your reports and be redy to "
+    "discuss the progres of each project. We will also talk about the budjet for the next quarter.",
+    "Learning a new langauge takes time and paitence. Practice every day, read books, and listen to "
+    "native speekers. Over time you will notice that your vocabulary grows and your grammer improves.",
+]
+CODE_SNIPPETS = [
+    "def moving_average(values, window):\n    result = []\n    total = 0.0\n    for i, value in enumerate(values):\n"
+    "        total += value\n        if i >= window:\n            total -= values[i - window]\n"
+    "        if i >= window - 1:\n            result.append(total / window)\n    return result\n",
+    "def merge_sorted(left, right):\n    merged = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            merged.append(left[i])\n            i += 1\n        else:\n"
+    "            merged.append(right[j])\n            j += 1\n    merged.extend(left[i:])\n"
+    "    merged.extend(right[j:])\n    return merged\n",
+]
+CHAT_QUESTIONS = [
+    "What are some good habits for staying healthy while working from home?",
+    "Tell me a short story about a robot who wants to become a painter.",
+    "Why is the sky blue? Explain it to a ten year old.",
+    "Give me three ideas for a weekend trip with friends.",
+]
+
+
+def workload_messages(name: str) -> list[str]:
+    """User messages of a workload, in a fixed order."""
+    if name == "input_grounded":
+        spelling = [f"Fix the spelling mistakes in this text and return the whole corrected text:\n\n{t}"
+                    for t in TYPO_TEXTS]
+        code = [f"Add a docstring to this Python function and return the full code:\n\n```python\n{c}```"
+                for c in CODE_SNIPPETS]
+        return [m for pair in zip(spelling, code + code[:1], strict=True) for m in pair]
+    if name == "open_ended":
+        return list(CHAT_QUESTIONS)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    decode_tok_s: float  # mean over requests of (tokens - 1) / decode time
+    aggregate_decode_tok_s: float  # all decode tokens / wall time
+    mean_acceptance_length: float | None  # tokens per verification step (accepted + 1)
+    num_requests: int
+    output_tokens: int
+    outputs: list[list[int]]
+
+
+def run(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: int) -> RunResult:
+    """Closed loop: keep `concurrency` requests in flight until every prompt is done."""
+    from decodeservice.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    before = engine.stats().spec_decode
+    pending = list(enumerate(prompts))
+    in_flight: dict[str, int] = {}
+    done: dict[int, Any] = {}
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            index, prompt = pending.pop(0)
+            in_flight[engine.add_request(prompt, params)] = index
+        for out in engine.step():
+            if out.finished:
+                done[in_flight.pop(out.request_id)] = out
+    wall = time.perf_counter() - start
+    after = engine.stats().spec_decode
+    rates, decode_tokens = [], 0
+    for out in done.values():
+        n = len(out.token_ids) - 1
+        m = out.metrics
+        if n > 0 and m.first_token_time is not None and m.finished_time is not None:
+            rates.append(n / max(m.finished_time - m.first_token_time, 1e-9))
+            decode_tokens += n
+    drafts = after.num_drafts - before.num_drafts
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return RunResult(decode_tok_s=sum(rates) / max(len(rates), 1), aggregate_decode_tok_s=decode_tokens / wall,
+                     mean_acceptance_length=1 + accepted / drafts if drafts else None,
+                     num_requests=len(done), output_tokens=sum(len(o.token_ids) for o in done.values()),
+                     outputs=[done[i].token_ids for i in sorted(done)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--method", default="ngram", choices=["ngram", "self_draft"])
+    parser.add_argument("--num-tokens", type=int, default=4, help="drafts per step (k)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=2, help="requests per run at concurrency 1 "
+                        "(a run at concurrency c uses max(c, this) requests)")
+    parser.add_argument("--workloads", default="input_grounded,open_ended")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", default="-", help="JSON file, or - for stdout")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from decodeservice.engine import Engine, EngineConfig, SpeculativeConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = Engine.from_pretrained(args.model)
+    # Forced on (no off-switch) to see the raw gain at each concurrency; "default" keeps the off-switch.
+    variants: dict[str, EngineConfig] = {
+        "off": EngineConfig(),
+        "on": EngineConfig(speculative=SpeculativeConfig(method=args.method, num_tokens=args.num_tokens,
+                                                         disable_batch_size=10**6)),
+        "on_default_off_switch": EngineConfig(speculative=SpeculativeConfig(method=args.method,
+                                                                            num_tokens=args.num_tokens)),
+    }
+    engines = {name: Engine(model=base.model, tokenizer=base.tokenizer, config=cfg) for name, cfg in variants.items()}
+    report: dict[str, Any] = {"model": args.model, "method": args.method, "num_tokens": args.num_tokens,
+                              "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(),
+                              "default_disable_batch_size": SpeculativeConfig(method="ngram").disable_batch_size,
+                              "workloads": {}}
+    for workload in args.workloads.split(","):
+        messages = workload_messages(workload)
+        prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
+        sweep = []
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            count = max(concurrency, args.requests)
+            batch = [prompts[i % len(prompts)] for i in range(count)]
+            row: dict[str, Any] = {"concurrency": concurrency, "num_requests": count}
+            results = {}
+            for name, engine in engines.items():
+                if name == "on_default_off_switch" and concurrency < SpeculativeConfig(method="ngram").disable_batch_size:
+                    continue  # identical to "on" below the threshold
+                results[name] = run(engine, batch, concurrency=concurrency, max_tokens=args.max_tokens)
+                print(f"{workload} c={concurrency} {name}: {results[name].decode_tok_s:.2f} tok/s",
+                      file=sys.stderr)
+            for name, res in results.items():
+                row[name] = {"decode_tok_s": round(res.decode_tok_s, 3),
+                             "aggregate_decode_tok_s": round(res.aggregate_decode_tok_s, 3),
+                             "mean_acceptance_length": None if res.mean_acceptance_length is None
+                             else round(res.mean_acceptance_length, 3),
+                             "output_tokens": res.output_tokens}
+            row["speedup"] = round(results["on"].decode_tok_s / results["off"].decode_tok_s, 3)
+            row["aggregate_speedup"] = round(results["on"].aggregate_decode_tok_s
+                                             / results["off"].aggregate_decode_tok_s, 3)
+            row["identical_outputs"] = results["on"].outputs == results["off"].outputs
+            sweep.append(row)
+        report["workloads"][workload] = sweep
+    text = json.dumps(report, indent=2)
+    if args.output == "-":
+        print(text)
+    else:
+        with open(args.output, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The desired-objects function: every example and the edge cases, with no server."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.operator.manifests import POLICY_HASH_ANNOTATION, BuildOptions, Children, render
+from tests.operator.helpers import example_paths, load
+from tests.operator.security import rbac_violations, restricted_violations
+
+K8S_VERSION = "1.37"
+
+
+def minimal(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "decode.dev/v1alpha1", "kind": "DecodeService", "metadata": {"name": "m"},
+            "spec": {"model": {"uri": "bundled://smollm2-135m"}, **spec}}
+
+
+def container(children: Children, name: str) -> dict[str, Any]:
+    spec = children.deployment["spec"]["template"]["spec"]
+    return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("path", example_paths(), ids=lambda p: p.name)
+def test_every_example_renders_valid_secure_objects(path: Path) -> None:
+    children = render(load(path))
+    kinds = [o["kind"] for o in children.all()]
+    assert kinds[:3] == ["ConfigMap", "Service", "Deployment"]
+    for obj in children.all():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        assert restricted_violations(obj) == [] and rbac_violations(obj) == []
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["engine", "proxy"]
+    proxy = container(children, "proxy")
+    assert proxy["args"][:3] == ["proxy", "--upstream", "http://127.0.0.1:8001"]
+    assert flag(proxy["args"], "--policy") == "/etc/decodeservice/policy.yaml"
+    for c in pod["containers"]:
+        assert c["readinessProbe"]["httpGet"]["path"] in ("/ready", "/health")
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    assert children.service["spec"]["ports"][0]["port"] == 8000
+
+
+def test_cpu_smoke_runs_the_bundled_model_without_gpus() -> None:
+    children = render(load(example_paths()[0].with_name("cpu-smoke.yaml")))
+    engine = container(children, "engine")
+    assert engine["command"] == ["decodectl"]
+    assert engine["args"][:3] == ["engine", "--model", "smollm2-135m"]
+    assert flag(engine["args"], "--device") == "cpu" and flag(engine["args"], "--kv-cache-gib") == "1"
+    assert "nvidia.com/gpu" not in engine["resources"]["limits"]
+    assert children.pdb is None
+    assert "initContainers" not in children.deployment["spec"]["template"]["spec"]
+
+
+def test_gpu_speculative_downloads_both_models_and_sets_gpu_limits() -> None:
+    children = render(load(example_paths()[0].with_name("gpu-speculative.yaml")))
+    engine = container(children, "engine")
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert flag(engine["args"], "--speculative-method") == "draft"
+    assert flag(engine["args"], "--draft-model") == "/models/hf/Qwen--Qwen2.5-0.5B-Instruct@main"
+    fetch = container(children, "fetch-model")
+    downloads = json.loads(fetch["command"][-1])
+    assert [d[-3:] for d in downloads] == [
+        ["Qwen/Qwen2.5-1.5B-Instruct", "main", "/models/hf/Qwen--Qwen2.5-1.5B-Instruct@main"],
+        ["Qwen/Qwen2.5-0.5B-Instruct", "main", "/models/hf/Qwen--Qwen2.5-0.5B-Instruct@main"]]
+    assert {"name": "model-cache", "mountPath": "/models/hf", "readOnly": True} in engine["volumeMounts"]
+    assert children.pdb is not None and children.pdb["spec"]["maxUnavailable"] == 1
+    assert children.deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_vllm_renders_the_openai_server_with_equivalent_flags() -> None:
+    children = render(load(example_paths()[0].with_name("vllm-proxy.yaml")))
+    engine = container(children, "engine")
+    assert engine["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert engine["image"] == "vllm/vllm-openai:v0.9.2"
+    args = engine["args"]
+    assert "--enable-prefix-caching" in args
+    assert flag(args, "--max-num-seqs") == "128" and flag(args, "--gpu-memory-utilization") == "0.9"
+    assert flag(args, "--port") == "8001" and flag(args, "--served-model-name") == "llama-3.1-8b"
+    assert json.loads(flag(args, "--speculative-config") or "{}") == {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert args[-2:] == ["--max-model-len", "8192"]
+    assert container(children, "proxy")["image"] == BuildOptions().image  # our proxy stays in front
+
+
+def test_pvc_model_is_mounted_read_only() -> None:
+    children = render(minimal(model={"uri": "pvc://models/llama/8b"}))
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert {"name": "model-pvc", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    engine = container(children, "engine")
+    assert flag(engine["args"], "--model") == "/models/pvc/llama/8b"
+    assert {"name": "model-pvc", "mountPath": "/models/pvc", "readOnly": True} in engine["volumeMounts"]
+
+
+def test_file_model_and_served_name_default() -> None:
+    engine = container(render(minimal(model={"uri": "file:///opt/weights/tiny-llm"})), "engine")
+    assert flag(engine["args"], "--model") == "/opt/weights/tiny-llm"
+    assert flag(engine["args"], "--served-model-name") == "tiny-llm"
+
+
+def test_policy_change_changes_the_pod_template_hash() -> None:
+    first = render(minimal())
+    second = render(minimal(policies={"slo": {"ttftMs": 250}}))
+    assert yaml.safe_load(second.config_map["data"]["policy.yaml"])["slo"]["ttftMs"] == 250
+    hashes = [c.deployment["spec"]["template"]["metadata"]["annotations"][POLICY_HASH_ANNOTATION]
+              for c in (first, second, render(minimal()))]
+    assert hashes[0] != hashes[1] and hashes[0] == hashes[2]
+
+
+def test_replicas_pdb_and_autoscaling_bounds() -> None:
+    assert render(minimal(replicas=1)).pdb is None
+    assert render(minimal(replicas=2)).pdb is not None
+    scaled = render(minimal(replicas=9, autoscaling={"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}))
+    assert scaled.deployment["spec"]["replicas"] == 4
+    assert render(minimal(replicas=0)).deployment["spec"]["replicas"] == 0
+
+
+def test_node_selector_tolerations_and_extra_args() -> None:
+    children = render(minimal(resources={"nodeSelector": {"pool": "gpu"}, "gpus": 2, "tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        engine={"extraArgs": ["--seed", "7"], "quantization": "int8"}))
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    engine = container(children, "engine")
+    assert engine["args"][-2:] == ["--seed", "7"] and flag(engine["args"], "--quantization") == "int8"
+    assert flag(engine["args"], "--device") == "cuda" and engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_build_is_pure_and_options_apply() -> None:
+    body = minimal()
+    snapshot = copy.deepcopy(body)
+    a = render(body, options=BuildOptions(image="example.com/ds:1", drain_seconds=3))
+    assert body == snapshot and a == render(body, options=BuildOptions(image="example.com/ds:1", drain_seconds=3))
+    assert container(a, "engine")["image"] == "example.com/ds:1"
+    assert a.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 33
+    with pytest.raises(ValueError, match="drain_seconds"):
+        BuildOptions(drain_seconds=-1)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (minimal(model={"uri": "bundled://llama-70b"}), "bundles only smollm2-135m"),
+    (minimal(engine={"kind": "vllm"}, model={"uri": "hf://org/m"}), "at least one GPU"),
+    (minimal(engine={"kind": "vllm", "quantization": "int8"}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
+     "pre-quantized"),
+    (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
+    (minimal(model={"uri": "pvc://a/m"}, engine={"speculative": {"method": "draft", "draftModel": "pvc://b/d"}}),
+     "must live on the model's claim"),
+    (minimal(unknown=1), "unknown field"),
+    ({**minimal(), "metadata": {"name": "Bad_Name"}}, "DNS-1035"),
+    ({**minimal(), "kind": "Deployment"}, "kind DecodeService"),
+])
+def test_invalid_specs_are_rejected_with_the_field_named(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        render(body)
