@@ -32,7 +32,7 @@ RUN groupadd --gid 10001 decode && useradd --uid 10001 --gid 10001 --no-create-h
 COPY --from=build /opt/venv /opt/venv
 COPY --from=models /opt/models /opt/models
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp HF_HOME=/opt/models/huggingface \
-    XDG_CACHE_HOME=/cache
+    XDG_CACHE_HOME=/cache DECODESERVICE_MODEL_CACHE=/opt/models
 # Runs as the same uid the operator's pods and the chart set (runAsUser 10001); root is never needed.
 USER 10001:10001
 EXPOSE 8000 8001 8080

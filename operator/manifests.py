@@ -152,8 +152,8 @@ def _proxy_container(opts: BuildOptions) -> dict[str, Any]:
     return {
         "name": "proxy", "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
         "command": ["decodectl"],
-        "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(PROXY_PORT),
-                 "--policy", f"{POLICY_DIR}/policy.yaml"],
+        "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}", "--host", "0.0.0.0",
+                 "--port", str(PROXY_PORT), "--policy", f"{POLICY_DIR}/policy.yaml"],
         "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},

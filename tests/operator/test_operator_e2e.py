@@ -113,6 +113,7 @@ async def test_invalid_spec_is_ready_false_with_reason(operator: Cluster) -> Non
 async def test_drift_is_repaired_by_the_timer(operator: Cluster) -> None:
     await operator.create(smoke())
     await operator.wait_for(lambda: operator.get(SERVICES, "smoke"), what="Service")
+    await operator.wait_for(lambda: operator.get(DEPLOYMENTS, "smoke"), what="Deployment")
     await operator.delete("/api/v1/namespaces/default/services/smoke")
     await operator.patch("/apis/apps/v1/namespaces/default/deployments/smoke", {"spec": {"replicas": 7}})
     await operator.wait_for(lambda: operator.get(SERVICES, "smoke"), what="Service recreated")
