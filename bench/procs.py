@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def decodectl(*args: str) -> list[str]:
     """`decodectl ARGS` with this interpreter, so the demo works from a venv that is not on PATH."""
-    return [sys.executable, "-m", "decodeservice.cli.main", *args]
+    return [sys.executable, "-P", "-m", "decodeservice.cli.main", *args]
 
 
 class ChildServer:

@@ -73,7 +73,7 @@ def _process(argv: list[str], url: str) -> Iterator[str]:
 @contextlib.contextmanager
 def fake_engine(*, ttft_ms: float, itl_ms: float, tokens: int) -> Iterator[str]:
     port = _free_port()
-    argv = [sys.executable, "-m", "decodeservice.bench.fake_engine", "--port", str(port), "--ttft-ms", str(ttft_ms),
+    argv = [sys.executable, "-P", "-m", "decodeservice.bench.fake_engine", "--port", str(port), "--ttft-ms", str(ttft_ms),
             "--itl-ms", str(itl_ms), "--tokens", str(tokens)]
     with _process(argv, f"http://127.0.0.1:{port}") as url:
         yield url
@@ -85,7 +85,7 @@ def proxy(upstream: str, policy_yaml: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         policy = Path(tmp) / "policy.yaml"
         policy.write_text(policy_yaml)
-        argv = [sys.executable, "-m", "decodeservice.cli.main", "proxy", "--upstream", upstream, "--port", str(port),
+        argv = [sys.executable, "-P", "-m", "decodeservice.cli.main", "proxy", "--upstream", upstream, "--port", str(port),
                 "--policy", str(policy), "--log-level", "warning"]
         with _process(argv, f"http://127.0.0.1:{port}") as url:
             yield url

@@ -12,10 +12,9 @@ fi
 stamp=.venv/.decodeservice-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    .venv/bin/python -m pip install --quiet --upgrade pip
     # The CPU wheel; a looser pin pulls a multi-GB CUDA build. GPU users: see README "GPU".
-    .venv/bin/python -m pip install --quiet "torch==${DECODESERVICE_TORCH_VERSION:-2.13.0}"
-    .venv/bin/python -m pip install --quiet -e ".[test]"
+    .venv/bin/python -P -m pip install --quiet "torch==${DECODESERVICE_TORCH_VERSION:-2.13.0}"
+    .venv/bin/python -P -m pip install --quiet -e ".[test]"
     echo "$want" > "$stamp"
 fi
 .venv/bin/decodectl models pull smollm2-135m

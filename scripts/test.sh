@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check engine proxy operator cli bench tests benchmarks
 .venv/bin/python scripts/typecheck.py
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -P -m pytest "$@"

@@ -21,7 +21,7 @@ def main() -> int:
         link = shadow / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name, target_is_directory=True)
-    cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+    cmd = [sys.executable, "-P", "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
            "--explicit-package-bases", "--namespace-packages", "-p", "decodeservice"]
     return subprocess.call(cmd, cwd=shadow.parent)
 

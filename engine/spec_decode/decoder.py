@@ -35,6 +35,9 @@ from decodeservice.engine.spec_decode.verify import greedy_accept, rejection_sam
 SampledVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator | None], list[int]]
 
 
+MAX_COOLDOWN = 32
+
+
 def default_self_draft_layers(num_layers: int) -> int:
     # A quarter of the target: drafting k tokens then costs about k/4 target steps.
     return max(1, num_layers // 4)
@@ -51,6 +54,8 @@ class SpeculativeDecoder:
         self.sampled_verifier = sampled_verifier
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q of the drafts in flight
         self._tracked: dict[str, Sequence] = {}  # sequences the proposer may hold state for
+        self._misses: dict[str, int] = {}  # request id -> verifications in a row with nothing accepted
+        self._cooldown: dict[str, int] = {}  # request id -> steps left without drafting
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -92,7 +97,7 @@ class SpeculativeDecoder:
         enabled = batch_size < self.config.disable_batch_size
         for seq in running:
             seq.spec_token_ids = []
-            if not enabled or seq.in_prefill:
+            if not enabled or seq.in_prefill or self._cooling(seq.request_id):
                 continue
             if seq.spec_num_tokens == 0:
                 seq.spec_num_tokens = self.config.num_tokens
@@ -129,7 +134,19 @@ class SpeculativeDecoder:
             # Grow k while every draft lands, shrink it on a miss; stay within [1, num_tokens].
             step = 1 if accepted == k else -1
             seq.spec_num_tokens = max(1, min(self.config.num_tokens, k + step))
+            # A request whose drafts keep missing entirely pays for verification and gains nothing:
+            # back off exponentially (2, 4, .. MAX_COOLDOWN steps) and probe again after.
+            misses = 0 if accepted else self._misses.get(seq.request_id, 0) + 1
+            self._misses[seq.request_id] = misses
+            if misses >= 2:
+                self._cooldown[seq.request_id] = min(2 ** (misses - 1), MAX_COOLDOWN)
         return tokens
+
+    def _cooling(self, request_id: str) -> bool:
+        left = self._cooldown.get(request_id, 0)
+        if left:
+            self._cooldown[request_id] = left - 1
+        return left > 0
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         self.proposer.rollback(seq, num_tokens)
@@ -137,6 +154,8 @@ class SpeculativeDecoder:
     def free(self, seq: Sequence) -> None:
         self._probs.pop(seq.request_id, None)
         self._tracked.pop(seq.request_id, None)
+        self._misses.pop(seq.request_id, None)
+        self._cooldown.pop(seq.request_id, None)
         self.proposer.free(seq)
 
     # -- counters ----------------------------------------------------------------------------------

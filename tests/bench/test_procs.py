@@ -32,7 +32,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 
 async def test_wait_ready_on_a_live_server(tmp_path: Path) -> None:
     port = free_port()
-    child = ChildServer(name="http", argv=[sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+    child = ChildServer(name="http", argv=[sys.executable, "-P", "-m", "http.server", str(port), "--bind", "127.0.0.1"],
                         url=f"http://127.0.0.1:{port}", log_path=tmp_path / "log")
     with pytest.raises(DemoError, match="exited"):  # not started yet: nothing to wait for
         await child.wait_ready(timeout_s=5)

@@ -12,7 +12,7 @@ from tests.operator.helpers import EXAMPLES
 
 
 def decodectl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "decodeservice.cli.main", *args], input=stdin,
+    return subprocess.run([sys.executable, "-P", "-m", "decodeservice.cli.main", *args], input=stdin,
                           capture_output=True, text=True, timeout=60, check=False)
 
 

@@ -69,7 +69,7 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(engine: FakeEngine, 
     policy = tmp_path / "policy.yaml"
     policy.write_text("admission: {maxInflight: 4}\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "decodeservice.cli.main", "proxy", "--upstream", engine.url, "--port", str(port),
+        [sys.executable, "-P", "-m", "decodeservice.cli.main", "proxy", "--upstream", engine.url, "--port", str(port),
          "--policy", str(policy), "--log-level", "warning"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
