@@ -5,8 +5,9 @@
 Two clocks, measured separately, on a ~600-token summarization prompt and a short chat prompt:
 - TTFT: the prefill of the prompt plus the first token (prefix caching off, so it is real work);
 - decode tokens/s: new greedy tokens after the first, divided by the time after the first token.
-Then the engine's aggregate decode tokens/s with 1, 8 and 32 concurrent sequences, and its peak RSS
-(taken before the HF model is loaded into the same process). Medians over `--repeats` runs.
+Then the engine's aggregate decode tokens/s with 1, 8 and 32 concurrent sequences, its peak RSS
+(taken before the HF model is loaded into the same process), and the fp32 weight-streaming ceiling
+(one matrix-vector product per weight matrix) measured in the same run. Medians over `--repeats` runs.
 """
 
 from __future__ import annotations
@@ -92,6 +93,21 @@ def engine_batched(engine: Engine, prompt: str, concurrency: int, new_tokens: in
     return produced / (time.perf_counter() - started)
 
 
+def weight_streaming_cap(engine: Engine, repeats: int = 10) -> float:
+    """Tokens/s if a decode step did nothing but one matrix-vector product per weight matrix: the
+    memory-bandwidth ceiling for single-stream fp32 decode on this machine, measured, not assumed."""
+    matrices = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in matrices}
+    with torch.inference_mode():
+        for w in matrices:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for w in matrices:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+    return repeats / (time.perf_counter() - start)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -124,6 +140,7 @@ def main() -> int:
     for concurrency in [int(c) for c in args.concurrency.split(",")]:
         result["batched_decode_tokens_per_s"][str(concurrency)] = engine_batched(
             engine, prompts["chat"], concurrency, args.decode_tokens)
+    result["fp32_weight_streaming_cap_tokens_per_s"] = weight_streaming_cap(engine)
     result["engine_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     single = result["batched_decode_tokens_per_s"].get("1")
     top = result["batched_decode_tokens_per_s"].get("32")
@@ -148,6 +165,8 @@ def main() -> int:
             entry["ttft_ratio_engine_over_hf"] = entry["engine"]["ttft_s"] / entry["hf_transformers"]["ttft_s"]
             entry["decode_speedup_vs_hf"] = (entry["engine"]["decode_tokens_per_s"]
                                              / entry["hf_transformers"]["decode_tokens_per_s"])
+            entry["engine_decode_share_of_cap"] = (entry["engine"]["decode_tokens_per_s"]
+                                                   / result["fp32_weight_streaming_cap_tokens_per_s"])
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -122,7 +122,7 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out)
-        except BaseException as exc:  # noqa: BLE001 - any crash must reach every waiting client
+        except BaseException as exc:
             self.dead_error = exc
             dead = EngineDeadError(f"the engine loop has died: {exc!r}")
             for add in list(self._sinks.values()):

@@ -8,7 +8,7 @@ import torch
 
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.model import DecodeGroup, ForwardBatch, LlamaModel, PrefillSlice
-from decodeservice.engine.scheduler import SchedulerPlan, ScheduledSequence
+from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 
 # Sequences feeding at most this many tokens in a step share one padded attention call; longer
 # prompt chunks attend alone, so a decode is never padded up to a prompt's length.
