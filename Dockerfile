@@ -1,6 +1,6 @@
 # One image for the operator, the engine and the proxy: `decodectl operator|engine|proxy`.
 #   docker build --build-arg TORCH_VARIANT=cpu  -t decodeservice:cpu .
-#   docker build --build-arg TORCH_VARIANT=cu124 -t decodeservice:cuda .
+#   docker build --build-arg TORCH_VARIANT=cu128 -t decodeservice:cuda .
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
