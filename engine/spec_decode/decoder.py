@@ -36,6 +36,7 @@ SampledVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, tor
 
 
 MAX_COOLDOWN = 32
+EMA_WEIGHT = 0.25  # weight of the newest verify in a request's tokens-per-verify average
 
 
 def default_self_draft_layers(num_layers: int) -> int:
@@ -54,7 +55,8 @@ class SpeculativeDecoder:
         self.sampled_verifier = sampled_verifier
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q of the drafts in flight
         self._tracked: dict[str, Sequence] = {}  # sequences the proposer may hold state for
-        self._misses: dict[str, int] = {}  # request id -> verifications in a row with nothing accepted
+        self._misses: dict[str, int] = {}  # request id -> verifications in a row below break-even
+        self._rate: dict[str, float] = {}  # request id -> average tokens per verify (accepted + 1)
         self._cooldown: dict[str, int] = {}  # request id -> steps left without drafting
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -134,12 +136,15 @@ class SpeculativeDecoder:
             # Grow k while every draft lands, shrink it on a miss; stay within [1, num_tokens].
             step = 1 if accepted == k else -1
             seq.spec_num_tokens = max(1, min(self.config.num_tokens, k + step))
-            # A request whose drafts keep missing entirely pays for verification and gains nothing:
-            # back off exponentially (2, 4, .. MAX_COOLDOWN steps) and probe again after.
-            misses = 0 if accepted else self._misses.get(seq.request_id, 0) + 1
+            # A request whose drafts land too rarely pays for verification and gains nothing: when its
+            # recent tokens per verify fall below the break-even, back off exponentially (2, 4, ..
+            # MAX_COOLDOWN steps) and probe again after.
+            rate = EMA_WEIGHT * (accepted + 1) + (1 - EMA_WEIGHT) * self._rate.get(seq.request_id, accepted + 1)
+            self._rate[seq.request_id] = rate
+            misses = self._misses.get(seq.request_id, 0) + 1 if rate < self.config.min_tokens_per_verify else 0
             self._misses[seq.request_id] = misses
-            if misses >= 2:
-                self._cooldown[seq.request_id] = min(2 ** (misses - 1), MAX_COOLDOWN)
+            if misses:
+                self._cooldown[seq.request_id] = min(2**misses, MAX_COOLDOWN)
         return tokens
 
     def _cooling(self, request_id: str) -> bool:
@@ -155,6 +160,7 @@ class SpeculativeDecoder:
         self._probs.pop(seq.request_id, None)
         self._tracked.pop(seq.request_id, None)
         self._misses.pop(seq.request_id, None)
+        self._rate.pop(seq.request_id, None)
         self._cooldown.pop(seq.request_id, None)
         self.proposer.free(seq)
 

@@ -144,7 +144,9 @@ def setup() -> tuple[Engine, Callable[[SampledVerifier], Engine], dict[object, f
     target = tiny_model(0)
     draft = tiny_model(1, base=target, noise=0.3)  # agrees often, not always
     params = SamplingParams(**PARAMS)  # type: ignore[arg-type]
-    spec = SpeculativeConfig(method="draft", draft_model="noisy-copy", num_tokens=2, disable_batch_size=10**6)
+    # No break-even back-off: this test wants every request to draft, to exercise verification.
+    spec = SpeculativeConfig(method="draft", draft_model="noisy-copy", num_tokens=2, disable_batch_size=10**6,
+                             min_tokens_per_verify=1.0)
 
     def build(verifier: SampledVerifier) -> Engine:
         engine = Engine(model=target, tokenizer=tokenizer, draft=draft, config=EngineConfig(
