@@ -47,7 +47,6 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self._stats = engine.stats()
-        self.num_steps = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,7 +117,6 @@ class AsyncEngine:
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                self.num_steps += 1
                 self._stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out)

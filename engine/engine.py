@@ -156,8 +156,6 @@ class Engine:
         if plan.is_empty:
             return []
         logits = self.runner.execute(plan)
-        if self.spec is not None:
-            self.spec.after_target_step(plan)
         outputs = []
         for item, rows in zip(plan.scheduled, logits.rows, strict=True):
             new_tokens = self._advance(item, rows)

@@ -23,7 +23,6 @@ from decodeservice.engine.config import ModelConfig
 class DecodeGroup:
     """Sequences with short query lengths (decode, speculative verify) batched into one padded call."""
 
-    seq_ids: torch.Tensor  # (B,) rows of the plan, for bookkeeping only
     query_index: torch.Tensor  # (B, Q) index into the packed tokens; padding points at token 0
     query_valid: torch.Tensor  # (B, Q) bool
     block_tables: torch.Tensor  # (B, M) block ids, padded with 0

@@ -109,7 +109,6 @@ class ModelRunner:
         keys = torch.arange(max_blocks * self.block_size).view(1, 1, -1)
         mask = (keys <= limit).unsqueeze(1)  # (B, 1, Q, L)
         return DecodeGroup(
-            seq_ids=torch.arange(b),
             query_index=query_index.to(self.device),
             query_valid=valid.to(self.device),
             block_tables=tables.to(self.device),

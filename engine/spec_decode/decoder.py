@@ -21,7 +21,6 @@ from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.outputs import SpecDecodeStats
 from decodeservice.engine.sampler import target_probs
-from decodeservice.engine.scheduler import SchedulerPlan
 from decodeservice.engine.sequence import Sequence
 from decodeservice.engine.spec_decode.proposers import (
     DraftModelProposer,
@@ -115,9 +114,6 @@ class SpeculativeDecoder:
             req.seq.spec_token_ids = draft.token_ids
             if draft.probs is not None and draft.token_ids:
                 self._probs[req.seq.request_id] = draft.probs
-
-    def after_target_step(self, plan: SchedulerPlan) -> None:
-        """Hook after the target's forward; the proposers catch up lazily in `propose` instead."""
 
     # -- verification ------------------------------------------------------------------------------
     def verify(self, seq: Sequence, proposed: list[int], rows: torch.Tensor) -> list[int]:
