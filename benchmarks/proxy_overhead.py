@@ -3,7 +3,10 @@
 Overhead mode (default): starts the fake engine (`decodeservice.bench.fake_engine`) and `decodectl proxy`
 as subprocesses on loopback, then runs `--concurrency` concurrent streams directly against the engine and
 through the proxy, alternating for `--rounds` rounds. Reports the added p50 TTFT (target < 1 ms) and the
-output tokens/s lost (target < 2 %).
+output tokens/s lost (target < 2 %). With at least 2 usable CPUs (or `--pin`), the client and the
+fake engine share one core and the proxy gets another, in the direct and the proxied run alike: the
+proxy is a sidecar with its own CPU in production. Each process's CPU seconds per 1000 output tokens
+(from /proc) is reported too; the proxy's is its machine-independent cost.
 
 Sweep mode (`--engine-url URL`): for each batching window (default 0, 5, 20, 50 ms) starts a proxy in
 front of that engine with the window on the `batch` class, sends `batch` streams, and reports throughput
@@ -20,11 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,61 +36,64 @@ from typing import Any
 
 import httpx
 
+from decodeservice.bench.procs import ChildServer, decodectl, free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not come up")
-        time.sleep(0.05)
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a whole process (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # The command name (field 2) may hold spaces; utime and stime are fields 14 and 15.
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], url: str) -> Iterator[str]:
-    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL)
+def _spawned_on(cpus: set[int] | None) -> Iterator[None]:
+    """Children started inside inherit `cpus` at fork, before they create any thread."""
+    if cpus is None:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
     try:
-        _wait_up(url, proc)
-        yield url
+        yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        os.sched_setaffinity(0, mine)
 
 
 @contextlib.contextmanager
-def fake_engine(*, ttft_ms: float, itl_ms: float, tokens: int) -> Iterator[str]:
-    port = _free_port()
-    argv = [sys.executable, "-P", "-m", "decodeservice.bench.fake_engine", "--port", str(port), "--ttft-ms", str(ttft_ms),
-            "--itl-ms", str(itl_ms), "--tokens", str(tokens)]
-    with _process(argv, f"http://127.0.0.1:{port}") as url:
-        yield url
+def _child(name: str, argv: list[str], port: int, logs: Path, cpus: set[int] | None = None) -> Iterator[ChildServer]:
+    child = ChildServer(name=name, argv=argv, url=f"http://127.0.0.1:{port}", log_path=logs / f"{name}.log")
+    try:
+        with _spawned_on(cpus):
+            child.start()
+        asyncio.run(child.wait_ready(timeout_s=60.0, path="/health"))
+        yield child
+    finally:
+        child.stop()
 
 
 @contextlib.contextmanager
-def proxy(upstream: str, policy_yaml: str) -> Iterator[str]:
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        policy = Path(tmp) / "policy.yaml"
-        policy.write_text(policy_yaml)
-        argv = [sys.executable, "-P", "-m", "decodeservice.cli.main", "proxy", "--upstream", upstream, "--port", str(port),
-                "--policy", str(policy), "--log-level", "warning"]
-        with _process(argv, f"http://127.0.0.1:{port}") as url:
-            yield url
+def fake_engine(*, ttft_ms: float, itl_ms: float, tokens: int, logs: Path,
+                cpus: set[int] | None = None) -> Iterator[ChildServer]:
+    port = free_port()
+    argv = [sys.executable, "-P", "-m", "decodeservice.bench.fake_engine", "--port", str(port),
+            "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--tokens", str(tokens)]
+    with _child("fake-engine", argv, port, logs, cpus) as child:
+        yield child
+
+
+@contextlib.contextmanager
+def proxy(upstream: str, policy_yaml: str, *, logs: Path, cpus: set[int] | None = None) -> Iterator[ChildServer]:
+    port = free_port()
+    policy = logs / f"policy-{port}.yaml"
+    policy.write_text(policy_yaml)
+    argv = decodectl("proxy", "--upstream", upstream, "--port", str(port), "--policy", str(policy),
+                     "--log-level", "warning")
+    with _child("proxy", argv, port, logs, cpus) as child:
+        yield child
 
 
 async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
@@ -143,18 +148,56 @@ classes:
 """
 
 
+def _pinning(requested: bool | None) -> tuple[set[int], set[int]] | None:
+    """(client + engine CPUs, proxy CPUs), or None to leave placement to the OS scheduler.
+
+    In production the proxy is a sidecar with its own CPU. Pinning gives the client and the engine the
+    same single core in the direct and the proxied run, so the proxy's own CPU cannot slow them down
+    and the comparison measures the added latency, not the contention of a shared core.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if requested is False or (requested is None and len(cpus) < 2):
+        return None
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least 2 usable CPUs")
+    return {cpus[0]}, {cpus[1]}
+
+
+def _measured(url: str, pids: dict[str, int], **load: Any) -> dict[str, Any]:
+    """One load run, plus the CPU seconds each process spent during it."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    result = asyncio.run(run_load(url, **load))
+    result["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    return result
+
+
+def _cpu_per_1k(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds per 1000 output tokens, over all rounds together (the /proc tick is 10 ms)."""
+    tokens = sum(r["output_tokens"] for r in rows)
+    return {name: 1000.0 * sum(r["cpu_s"][name] for r in rows) / tokens for name in rows[0]["cpu_s"]}
+
+
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     body = {"model": "fake-model", "prompt": "hello", "max_tokens": args.tokens, "stream": True}
     n = args.concurrency
+    load = {"concurrency": n, "requests": n, "body": body}
+    pins = _pinning(args.pin)
+    client_cpus, proxy_cpus = pins if pins is not None else (None, None)
     direct: list[dict[str, Any]] = []
     proxied: list[dict[str, Any]] = []
-    with fake_engine(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens) as engine_url, \
-            proxy(engine_url, OVERHEAD_POLICY) as proxy_url:
-        asyncio.run(run_load(proxy_url, concurrency=n, requests=n, body=body))  # warm-up: connections, imports
-        asyncio.run(run_load(engine_url, concurrency=n, requests=n, body=body))
+    with tempfile.TemporaryDirectory() as tmp, \
+            fake_engine(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens, logs=Path(tmp),
+                        cpus=client_cpus) as engine, \
+            proxy(engine.url, OVERHEAD_POLICY, logs=Path(tmp), cpus=proxy_cpus) as prox:
+        assert engine.pid is not None and prox.pid is not None
+        if client_cpus is not None:
+            os.sched_setaffinity(0, client_cpus)
+        pids = {"client": os.getpid(), "engine": engine.pid, "proxy": prox.pid}
+        asyncio.run(run_load(prox.url, **load))  # warm-up: connections, imports
+        asyncio.run(run_load(engine.url, **load))
         for _ in range(args.rounds):  # alternate so machine noise hits both sides alike
-            direct.append(asyncio.run(run_load(engine_url, concurrency=n, requests=n, body=body)))
-            proxied.append(asyncio.run(run_load(proxy_url, concurrency=n, requests=n, body=body)))
+            direct.append(_measured(engine.url, pids, **load))
+            proxied.append(_measured(prox.url, pids, **load))
 
     def med(rows: list[dict[str, Any]], key: str) -> float:
         return float(statistics.median(r[key] for r in rows))
@@ -164,11 +207,15 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": "overhead",
         "config": {"concurrency": n, "tokens": args.tokens, "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
-                   "rounds": args.rounds},
+                   "rounds": args.rounds, "uvloop": importlib.util.find_spec("uvloop") is not None,
+                   "httptools": importlib.util.find_spec("httptools") is not None},
+        "pinning": None if pins is None else {"client_and_engine_cpus": sorted(pins[0]),
+                                              "proxy_cpus": sorted(pins[1])},
         "direct": {"ttft_p50_ms": d_ttft, "output_tokens_per_s": d_tps},
         "proxy": {"ttft_p50_ms": p_ttft, "output_tokens_per_s": p_tps},
         "added_ttft_p50_ms": p_ttft - d_ttft,
         "throughput_loss_pct": 100.0 * (d_tps - p_tps) / d_tps,
+        "cpu_s_per_1k_output_tokens": {"direct": _cpu_per_1k(direct), "proxy": _cpu_per_1k(proxied)},
         "targets": {"added_ttft_p50_ms": "< 1", "throughput_loss_pct": "< 2"},
         "rounds": {"direct": direct, "proxy": proxied},
     }
@@ -182,8 +229,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for window in args.windows:
         policy = (f"admission: {{maxInflight: {max(64, args.concurrency)}}}\n"
                   f"classes:\n  batch: {{batchWindowMs: {window}, maxBatch: {args.max_batch}, maxQueue: 4096}}\n")
-        with proxy(engine_url, policy) as proxy_url:
-            result = asyncio.run(run_load(proxy_url, concurrency=args.concurrency, requests=args.requests,
+        with tempfile.TemporaryDirectory() as tmp, proxy(engine_url, policy, logs=Path(tmp)) as prox:
+            result = asyncio.run(run_load(prox.url, concurrency=args.concurrency, requests=args.requests,
                                           body=body, headers={"x-priority": "batch"}))
         rows.append({"batch_window_ms": window, **result})
     return {"mode": "window_sweep", "engine_url": engine_url, "model": model,
@@ -200,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="overhead mode: alternating rounds")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="overhead mode: fake engine TTFT")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="overhead mode: fake engine ITL")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                        help="overhead mode: pin client + engine to one CPU and the proxy to another "
+                        "(default: on when at least 2 CPUs are usable)")
     parser.add_argument("--engine-url", help="sweep mode: a running engine (ours, vLLM, or the fake)")
     parser.add_argument("--windows", type=lambda s: [float(x) for x in s.split(",")], default=[0, 5, 20, 50],
                         help="sweep mode: batching windows in ms (default 0,5,20,50)")
