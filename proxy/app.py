@@ -21,11 +21,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decodeservice.proxy.admission import Admission
 from decodeservice.proxy.batching_window import BatchingWindow
-from decodeservice.proxy.context import SCOPE_KEY, RequestContext
+from decodeservice.proxy.context import SCOPE_KEY, RequestContext, response_status, set_response_status
 from decodeservice.proxy.errors import Draining, Overloaded, ProxyError, error_response
 from decodeservice.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from decodeservice.proxy.output_length import OutputLength
@@ -87,22 +87,16 @@ class ErrorBoundary:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        status = 0
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        # `send` goes down untouched (no per-chunk wrapper); the relay records the status it sent.
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, send)
         except ProxyError as exc:
-            if status:
+            if response_status(scope):
                 raise  # internal invariant broken: components only raise before answering
-            status = exc.status_code
+            set_response_status(scope, exc.status_code)
             self._count_refusal(scope, exc)
             await exc.to_response()(scope, receive, send)
+        status = response_status(scope)
         ctx = scope.get(SCOPE_KEY)
         cls = ctx.priority.value if isinstance(ctx, RequestContext) else "unknown"
         if isinstance(ctx, RequestContext) and ctx.client_disconnected:
@@ -115,6 +109,26 @@ class ErrorBoundary:
             self.metrics.shed.labels(ctx.priority.value, exc.reason).inc()
         elif 400 <= exc.status_code < 500:
             self.metrics.rejected.labels(exc.reason).inc()
+
+
+class ProxyApp(Starlette):
+    """Starlette, except that POSTs to the completion paths go straight to the policy chain.
+
+    Starlette's error and exception middleware each wrap `send`, a call per chunk of every stream. The
+    chain has its own error boundary, and an unexpected exception is answered 500 by uvicorn just as
+    by that middleware, so skipping it changes nothing a client sees. The same routes stay in the
+    router for anything the shortcut does not match exactly.
+    """
+
+    completions: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.completions is not None and scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] in COMPLETION_PATHS):
+            scope["app"] = self
+            await self.completions(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -186,7 +200,8 @@ def create_app(
         *(Route(path, method_not_allowed) for path in COMPLETION_PATHS),
         Mount("/", passthrough),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = ProxyApp(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.completions = completions
     app.state.policy = policy
     app.state.metrics = metrics
     app.state.drain = drain

@@ -14,6 +14,9 @@ from starlette.types import Scope
 from decodeservice.proxy.policy import PriorityClass
 
 SCOPE_KEY = "decode_proxy.request"
+# The status the relay sent, for the error boundary's metrics: recorded here rather than by wrapping
+# `send`, which would add a call to every chunk of every stream.
+STATUS_KEY = "decode_proxy.status"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -30,6 +33,8 @@ class RequestContext:
     window_hold: float = 0.0  # seconds held by the batching window
     output_tokens: int = 0
     client_disconnected: bool = False
+    # Added to the relayed response head (e.g. `x-decode-clamped`), so no policy has to wrap `send`.
+    response_headers: list[tuple[bytes, bytes]] = dataclasses.field(default_factory=list)
 
 
 def get_context(scope: Scope) -> RequestContext:
@@ -41,3 +46,13 @@ def get_context(scope: Scope) -> RequestContext:
 
 def set_context(scope: Scope, ctx: RequestContext) -> None:
     scope[SCOPE_KEY] = ctx
+
+
+def set_response_status(scope: Scope, status: int) -> None:
+    scope[STATUS_KEY] = status
+
+
+def response_status(scope: Scope) -> int:
+    """The status sent to the client, or 0 when no response head was sent."""
+    status = scope.get(STATUS_KEY, 0)
+    return status if isinstance(status, int) else 0

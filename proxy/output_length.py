@@ -8,7 +8,7 @@ injected as `max_tokens`, so no request can run to the context length by omissio
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decodeservice.proxy.context import get_context
 from decodeservice.proxy.errors import BadRequest
@@ -66,14 +66,6 @@ class OutputLength:
                     f"{self.policy.max_input_tokens} input tokens",
                     param="messages" if "messages" in ctx.body else "prompt", reason="input_too_long",
                 )
-        if ctx.clamped_from is None:
-            await self.app(scope, receive, send)
-            return
-        header = (CLAMPED_HEADER, str(ctx.clamped_from).encode())
-
-        async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
+        if ctx.clamped_from is not None:
+            ctx.response_headers.append((CLAMPED_HEADER, str(ctx.clamped_from).encode()))
+        await self.app(scope, receive, send)

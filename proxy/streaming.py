@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
+import re
 import time
-from typing import Any
 
 import httpx
 from starlette.types import Message, Receive, Send
@@ -28,8 +27,19 @@ HOP_BY_HOP = frozenset({
 _MAX_USAGE_BUFFER = 1 << 20
 
 
+# A choice carries output when its `text`, `content` or `reasoning_content` is a non-empty string, or its
+# `tool_calls` a non-empty list. Inside a JSON string every `"` is escaped, so `"key"` followed by `:`
+# can only be a real key: a byte search is exact without decoding the event. Values of other types
+# (`null`, chat logprobs' `"content": [...]`) do not match.
+_TOKEN = re.compile(rb'"(?:text|content|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*[^\]\s]')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
 class SseMeter:
-    """Incremental SSE scanner: when each token-carrying event arrived, and the final usage if sent."""
+    """Incremental SSE scanner: when each token-carrying event arrived, and the final usage if sent.
+
+    It scans bytes instead of parsing each event's JSON: this runs for every chunk of every stream.
+    """
 
     def __init__(self) -> None:
         self._partial = b""
@@ -37,27 +47,15 @@ class SseMeter:
         self.usage_completion_tokens: int | None = None
 
     def feed(self, chunk: bytes, now: float) -> None:
-        data = self._partial + chunk
-        lines = data.split(b"\n")
+        lines = (self._partial + chunk if self._partial else chunk).split(b"\n")
         self._partial = lines.pop()  # the (possibly empty) unterminated tail
         for line in lines:
-            if line.startswith(b"data:"):
-                self._event(line[5:].strip(), now)
-
-    def _event(self, payload: bytes, now: float) -> None:
-        if not payload or payload == b"[DONE]":
-            return
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return
-        if not isinstance(event, dict):
-            return
-        usage = event.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.usage_completion_tokens = usage["completion_tokens"]
-        if any(_carries_token(c) for c in event.get("choices") or () if isinstance(c, dict)):
-            self.token_times.append(now)
+            if not line.startswith(b"data:"):
+                continue
+            if _TOKEN.search(line) is not None:
+                self.token_times.append(now)
+            if b'"usage"' in line and (m := _COMPLETION_TOKENS.search(line)) is not None:
+                self.usage_completion_tokens = int(m[1])
 
     @property
     def output_tokens(self) -> int:
@@ -66,18 +64,10 @@ class SseMeter:
         return len(self.token_times)
 
 
-def _carries_token(choice: dict[str, Any]) -> bool:
-    if choice.get("text"):
-        return True
-    delta = choice.get("delta")
-    return isinstance(delta, dict) and bool(
-        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-    )
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RelayResult:
     status: int
+    started: bool = False  # the response head reached the ASGI server
     finished: float = 0.0
     disconnected: bool = False  # the client left; the relay stopped
     upstream_died: bool = False  # the upstream broke off mid-body
@@ -91,11 +81,16 @@ def response_headers(response: httpx.Response, extra: list[tuple[bytes, bytes]] 
     return headers + (extra or [])
 
 
-async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter: SseMeter | None) -> RelayResult:
-    """Send the response to the client; return what happened. Does not close `response`."""
+async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter: SseMeter | None,
+                extra_headers: list[tuple[bytes, bytes]] | None = None) -> RelayResult:
+    """Send the response to the client; return what happened. Does not close `response`.
+
+    `send` is the ASGI server's own, passed down untouched by every policy: a wrapper would cost a
+    call per chunk. What a policy adds to the answer travels in `extra_headers` instead.
+    """
     result = RelayResult(status=response.status_code)
     result.is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
-    pump = asyncio.create_task(_pump(response, send, meter, result))
+    pump = asyncio.create_task(_pump(response, send, meter, result, response_headers(response, extra_headers)))
     watch = asyncio.create_task(_wait_for_disconnect(receive))
     try:
         done, _ = await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -123,14 +118,17 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def _pump(response: httpx.Response, send: Send, meter: SseMeter | None, result: RelayResult) -> None:
-    await send({"type": "http.response.start", "status": response.status_code,
-                "headers": response_headers(response)})
+async def _pump(response: httpx.Response, send: Send, meter: SseMeter | None, result: RelayResult,
+                headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    result.started = True
+    if not result.is_sse:
+        meter = None
     tail = bytearray()
     try:
         async for chunk in response.aiter_raw():
-            if meter is not None and result.is_sse:
-                meter.feed(chunk, time.perf_counter())
+            if meter is not None:
+                meter.feed(chunk, time.perf_counter())  # the one clock read per chunk
             elif len(tail) < _MAX_USAGE_BUFFER:
                 tail += chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

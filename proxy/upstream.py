@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from decodeservice.proxy.context import get_context
+from decodeservice.proxy.context import get_context, set_response_status
 from decodeservice.proxy.errors import UpstreamUnavailable
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.slo import RequestOutcome
@@ -100,9 +100,12 @@ class Forwarder:
         response = await _open(self.client, request, self.metrics)
         meter = SseMeter()
         try:
-            result = await relay(response, receive=receive, send=send, meter=meter)
+            result = await relay(response, receive=receive, send=send, meter=meter,
+                                 extra_headers=ctx.response_headers)
         finally:
             await response.aclose()  # on a disconnect this drops the upstream connection: the engine aborts
+        if result.started:
+            set_response_status(scope, result.status)
         if result.upstream_died:
             self.metrics.upstream_errors.labels("died_mid_stream").inc()
         if result.disconnected:
@@ -160,9 +163,11 @@ class PassThrough:
                                             headers=forward_headers(scope))
         response = await _open(self.client, request, self.metrics)
         try:
-            await relay(response, receive=receive, send=send, meter=None)
+            result = await relay(response, receive=receive, send=send, meter=None)
         finally:
             await response.aclose()
+        if result.started:
+            set_response_status(scope, result.status)
 
 
 async def upstream_ready(client: httpx.AsyncClient, upstream_url: str, *, timeout: float = 2.0) -> bool:
