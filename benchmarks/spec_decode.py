@@ -20,6 +20,47 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+# Input-grounded: "return the full text" edits of whole paragraphs and functions with a mistake or two,
+# the way editing requests usually look. On the bundled model the answer copies most of the input.
+PARAGRAPH_EDITS = [
+    ("spelling", "The city library opened a new reading room last month. It has large windows, comfortable "
+     "chairs and a quiet corner for children. Many people come every morning to read the newspapers and "
+     "borrow books. The librarians say that the number of visitors has doubled since the room opened, and "
+     "they plan to add more shelfs next year."),
+    ("grammar", "The project was finished on time and the team was very happy with the result. Everyone "
+     "worked hard during the last weeks, and the manager thanked them in a short speech. The new system is "
+     "faster than the old one and it use less memory. Customers have already noticed the difference, and "
+     "several of them sent messages to say how much they like it."),
+    ("grammar", "We left the house early in the morning. The sky was grey and a cold wind were blowing from "
+     "the north. After an hour we reached the old bridge and stopped for coffee. By noon the clouds had "
+     "cleared and the sun was shining over the hills. In the afternoon we visited the castle and the "
+     "museum, and in the evening we took the bus home."),
+    ("grammar", "Learning a new language takes time and patience. You should practice every day, read "
+     "books, and listens to native speakers. Over time you will notice that your vocabulary grows and "
+     "your grammar improves. Do not be afraid of making mistakes, because every mistake is a chance to "
+     "learn something new."),
+    ("grammar", "Our team meeting will take place on Tuesday at ten o'clock. Please bring your reports and "
+     "be ready to discuss the progress of each project. We will also talks about the budget for the next "
+     "quarter and the plans for the summer. If you cannot attend, send your report to the team leader "
+     "before the meeting."),
+]
+MOVING_AVERAGE = (
+    "def moving_average(values, window):\n    result = []\n    total = 0.0\n    for i, value in enumerate(values):\n"
+    "        total += value\n        if i >= window:\n            total -= values[i - window]\n"
+    "        if i >= window - 1:\n            result.append(total / window)\n    return result\n")
+MERGE_SORTED = (
+    "def merge_sorted(left, right):\n    merged = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            merged.append(left[i])\n            i += 1\n        else:\n"
+    "            merged.append(right[j])\n            j += 1\n    merged.extend(left[i:])\n"
+    "    merged.extend(right[j:])\n    return merged\n")
+CODE_EDITS = [
+    ("Rename the variable `merged` to `result` in this Python function", MERGE_SORTED),
+    ("Rename the variable `total` to `running_sum` in this Python function", MOVING_AVERAGE),
+    ("Add a docstring to this Python function. Return the complete function, unchanged except for the "
+     "docstring", MOVING_AVERAGE),
+]
+# Dense edits (the first version of the input-grounded set): a typo every few words, so the answer
+# breaks off from the input often; on the bundled model the docstring requests rewrite the code.
 TYPO_TEXTS = [
     "The quick brown fox jumpd over the lazy dog. It was a sunny day and the animls in the forrest were "
     "enjoying the warm wether. Birds were singing in the tres and a small river was runing nearby.",
@@ -28,31 +69,30 @@ TYPO_TEXTS = [
     "Learning a new langauge takes time and paitence. Practice every day, read books, and listen to "
     "native speekers. Over time you will notice that your vocabulary grows and your grammer improves.",
 ]
-CODE_SNIPPETS = [
-    "def moving_average(values, window):\n    result = []\n    total = 0.0\n    for i, value in enumerate(values):\n"
-    "        total += value\n        if i >= window:\n            total -= values[i - window]\n"
-    "        if i >= window - 1:\n            result.append(total / window)\n    return result\n",
-    "def merge_sorted(left, right):\n    merged = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
-    "        if left[i] <= right[j]:\n            merged.append(left[i])\n            i += 1\n        else:\n"
-    "            merged.append(right[j])\n            j += 1\n    merged.extend(left[i:])\n"
-    "    merged.extend(right[j:])\n    return merged\n",
-]
 CHAT_QUESTIONS = [
     "What are some good habits for staying healthy while working from home?",
     "Tell me a short story about a robot who wants to become a painter.",
     "Why is the sky blue? Explain it to a ten year old.",
     "Give me three ideas for a weekend trip with friends.",
 ]
+WORKLOADS = ("input_grounded", "dense_edits", "open_ended")
 
 
 def workload_messages(name: str) -> list[str]:
     """User messages of a workload, in a fixed order."""
     if name == "input_grounded":
+        paragraphs = [f"Correct the {kind} in this paragraph and return the full paragraph:\n\n{text}"
+                      for kind, text in PARAGRAPH_EDITS]
+        code = [f"{task} and return the full code:\n\n```python\n{source}```" for task, source in CODE_EDITS]
+        # Interleaved, so a short run (--requests 2) still sees both kinds.
+        interleaved = [m for pair in zip(paragraphs, code, strict=False) for m in pair]
+        return interleaved + paragraphs[len(code):]
+    if name == "dense_edits":
         spelling = [f"Fix the spelling mistakes in this text and return the whole corrected text:\n\n{t}"
                     for t in TYPO_TEXTS]
-        code = [f"Add a docstring to this Python function and return the full code:\n\n```python\n{c}```"
-                for c in CODE_SNIPPETS]
-        return [m for pair in zip(spelling, code + code[:1], strict=True) for m in pair]
+        docstring = [f"Add a docstring to this Python function and return the full code:\n\n```python\n{c}```"
+                     for c in (MOVING_AVERAGE, MERGE_SORTED, MOVING_AVERAGE)]
+        return [m for pair in zip(spelling, docstring, strict=True) for m in pair]
     if name == "open_ended":
         return list(CHAT_QUESTIONS)
     raise ValueError(f"unknown workload {name!r}")
@@ -116,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per run at concurrency 1 "
                         "(a run at concurrency c uses max(c, this) requests)")
-    parser.add_argument("--workloads", default="input_grounded,open_ended")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default="-", help="JSON file, or - for stdout")
     args = parser.parse_args(argv)

@@ -108,6 +108,8 @@ class EngineConfig:
     quantization: Literal["none", "int8"] = "none"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
+    # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False keeps F.linear.
+    pack_cpu_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

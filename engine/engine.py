@@ -42,6 +42,10 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        if self.device.type == "cpu" and config.pack_cpu_weights:
+            for weights_owner in (model, draft):
+                if weights_owner is not None:
+                    weights_owner.pack_weights_for_cpu()
         num_blocks = self._num_blocks()
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(

@@ -35,6 +35,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         self.num_layers = num_layers or cfg.num_layers
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -112,6 +113,6 @@ class ModelRunner:
             query_index=query_index.to(self.device),
             query_valid=valid.to(self.device),
             block_tables=tables.to(self.device),
-            attn_mask=mask.to(self.device),
+            attn_mask=torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf")).to(self.device),
             covers_all_in_order=max_q == 1 and bool((starts == torch.arange(b)).all()),
         )

@@ -34,7 +34,8 @@ PROMPTS: list[list[int]] = [[5, 6, 7, 8, 9] * 3, list(range(100, 140)), [300, 30
 def tiny_model(seed: int, *, std: float = 0.5, base: LlamaModel | None = None) -> LlamaModel:
     """Random weights scaled so the next token depends on context (with unit-variance embeddings
     tied to the head, a random model only ever repeats its input). With `base`, a noisy copy of it:
-    a draft that agrees with the target often, but not always."""
+    a draft that agrees with the target often, but not always. `base` must be unpacked: an engine
+    packs its model's projections for oneDNN and drops their plain weights."""
     torch.manual_seed(seed)
     model = LlamaModel(TINY)
     with torch.no_grad():
@@ -51,9 +52,13 @@ def tokenizer() -> Tokenizer:
     return read_gguf_tokenizer(resolve_model_path("smollm2-135m"))
 
 
+def target_model() -> LlamaModel:
+    return tiny_model(0, std=1.0)
+
+
 @pytest.fixture(scope="module")
 def target() -> LlamaModel:
-    return tiny_model(0, std=1.0)
+    return target_model()
 
 
 def make_engine(target: LlamaModel, tokenizer: Tokenizer, spec: dict[str, Any] | None = None, *,
@@ -74,7 +79,7 @@ METHODS = [
 def test_greedy_output_is_identical_with_speculation(spec: dict[str, Any], target: LlamaModel,
                                                      tokenizer: Tokenizer) -> None:
     baseline = make_engine(target, tokenizer).generate(PROMPTS, GREEDY)
-    draft = tiny_model(1, std=0.1, base=target) if spec["method"] == "draft" else None
+    draft = tiny_model(1, std=0.1, base=target_model()) if spec["method"] == "draft" else None
     engine = make_engine(target, tokenizer, spec, draft=draft)
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in baseline]
@@ -93,7 +98,7 @@ def block_owners(engine: Engine) -> Counter[int]:
 @pytest.mark.parametrize("spec", METHODS)
 def test_allocator_is_consistent_after_rollbacks(spec: dict[str, Any], target: LlamaModel,
                                                  tokenizer: Tokenizer) -> None:
-    draft = tiny_model(1, std=0.1, base=target) if spec["method"] == "draft" else None
+    draft = tiny_model(1, std=0.1, base=target_model()) if spec["method"] == "draft" else None
     # A small pool with prefix caching, so rollback, block sharing and preemption all happen.
     engine = make_engine(target, tokenizer, spec, draft=draft, num_gpu_blocks_override=40, block_size=4,
                          max_model_len=128)
@@ -129,7 +134,7 @@ def test_allocator_is_consistent_after_rollbacks(spec: dict[str, Any], target: L
 def test_mixed_batch_gives_each_sequence_its_solo_output(target: LlamaModel, tokenizer: Tokenizer) -> None:
     # A draft model drafts at every decode step, so speculating and non-speculating sequences meet.
     spec = {"method": "draft", "draft_model": "noisy-copy", "num_tokens": 3}
-    draft = tiny_model(1, std=0.1, base=target)
+    draft = tiny_model(1, std=0.1, base=target_model())
     solo = [make_engine(target, tokenizer, spec, draft=draft).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     # Prompts admitted mid-way are prefilled (no drafts) in the same steps the others verify drafts.
     engine = make_engine(target, tokenizer, spec, draft=draft)
