@@ -111,7 +111,8 @@ class Admission:
         if self.gate.would_wait(priority) and self.gate.depth(priority) >= cls.max_queue:
             raise Overloaded(f"the {priority.value} queue is full ({cls.max_queue} waiting)",
                              headers={"Retry-After": str(_retry_after(wait))}, reason="queue_full")
-        ttft = self.metrics.latency.ttft_quantile(self.policy.slo.percentile / 100.0, now=now)
+        # The quantile sorts the recent samples: only worth it for a request that would wait.
+        ttft = self.metrics.latency.ttft_quantile(self.policy.slo.percentile / 100.0, now=now) if wait else None
         if wait and ttft is not None:
             predicted = wait + cls.batch_window_ms / 1000.0 + ttft
             if predicted * 1000.0 > self.policy.slo.ttft_ms:

@@ -18,6 +18,7 @@ from decodeservice.proxy.errors import UpstreamUnavailable
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.slo import RequestOutcome
 from decodeservice.proxy.streaming import SseMeter, relay
+from decodeservice.proxy.transport import UpstreamTransport
 
 RETRY_AFTER_SECONDS = 1
 _DROP_REQUEST_HEADERS = frozenset({
@@ -26,47 +27,47 @@ _DROP_REQUEST_HEADERS = frozenset({
 })
 
 
-POOL_SHARDS = 8
+class _NoCookies(httpx.Cookies):
+    def extract_cookies(self, response: httpx.Response) -> None:
+        pass  # not even parsed: building the cookie-compatible request alone costs ~30 us per response
 
 
-class ShardedClient(httpx.AsyncClient):
-    """An httpx client whose requests are spread round-robin over several small connection pools.
+class UpstreamClient(httpx.AsyncClient):
+    """httpx's client, except that it keeps no cookies.
 
-    httpcore's pool walks every connection it holds each time a request starts or a response
-    closes, so one pool carrying hundreds of streams spends more CPU on bookkeeping than on relaying
-    bytes (measured with cProfile under benchmarks/proxy_overhead.py). Small pools keep that walk short.
+    One user's `Set-Cookie` must never ride along on the next user's request (the header itself is
+    still relayed to the client that got it), and the cookie bookkeeping was a tenth of the proxy's
+    CPU per request.
     """
 
-    def __init__(self, *, shards: int, max_connections: int, timeout: httpx.Timeout) -> None:
-        per_shard = max(1, -(-max_connections // shards))
-        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
-        super().__init__(timeout=timeout, limits=limits)
-        self._others = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(shards - 1)]
-        self._next = 0
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._none = _NoCookies()
 
-    async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        self._next = (self._next + 1) % (len(self._others) + 1)
-        if self._next == 0:
-            return await super().send(request, **kwargs)
-        return await self._others[self._next - 1].send(request, **kwargs)
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return self._none
 
-    async def aclose(self) -> None:
-        for other in self._others:
-            await other.aclose()
-        await super().aclose()
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        pass
 
 
 def make_client(*, max_connections: int) -> httpx.AsyncClient:
+    """The proxy's one client to the upstream; up to `max_connections` idle connections are kept."""
     # No read timeout: a long generation may legitimately pause; the client's disconnect ends it instead.
     timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
-    return ShardedClient(shards=min(POOL_SHARDS, max_connections), max_connections=max_connections,
-                         timeout=timeout)
+    return UpstreamClient(transport=UpstreamTransport(max_idle_per_origin=max_connections), timeout=timeout)
 
 
-def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST_HEADERS]
+def forward_headers(scope: Scope, *, content_type: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    """The client's request headers minus the per-hop ones; `content_type` replaces the client's."""
+    drop = _DROP_REQUEST_HEADERS if content_type is None else _DROP_REQUEST_HEADERS | {b"content-type"}
+    headers = [(k, v) for k, v in scope["headers"] if k not in drop]
     # Identity encoding keeps the SSE bytes readable for the meter and free of re-compression.
     headers.append((b"accept-encoding", b"identity"))
+    if content_type is not None:
+        headers.append((b"content-type", content_type))
     return headers
 
 
@@ -89,13 +90,20 @@ class Forwarder:
         self.client = client
         self.base = upstream_url.rstrip("/")
         self.metrics = metrics
+        self._urls: dict[str, httpx.URL] = {}
+        self._timeout = client.timeout.as_dict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = get_context(scope)
-        request = self.client.build_request(
-            "POST", self.base + scope["path"], content=json.dumps(ctx.body).encode(), headers=forward_headers(scope),
-        )
-        request.headers["content-type"] = "application/json"
+        path: str = scope["path"]
+        url = self._urls.get(path)
+        if url is None:  # parsing a URL costs more than the rest of the request: once per completion route
+            url = self._urls[path] = httpx.URL(self.base + path)
+        # Built directly, not by `client.build_request`: merging in the client's defaults (User-Agent,
+        # Accept, keep-alive) adds nothing an HTTP/1.1 upstream needs and costs as much again.
+        request = httpx.Request("POST", url, content=json.dumps(ctx.body).encode(),
+                                headers=forward_headers(scope, content_type=b"application/json"),
+                                extensions={"timeout": self._timeout})
         started = time.perf_counter()
         response = await _open(self.client, request, self.metrics)
         meter = SseMeter()
