@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
-    parser.add_argument("--rounds", type=int, default=3, help="overhead mode: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="overhead mode: alternating rounds (a round's p50 TTFT varies by tens of ms on a busy box)")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="overhead mode: fake engine TTFT")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="overhead mode: fake engine ITL")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,

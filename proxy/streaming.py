@@ -90,23 +90,32 @@ async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter
     """
     result = RelayResult(status=response.status_code)
     result.is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
-    pump = asyncio.create_task(_pump(response, send, meter, result, response_headers(response, extra_headers)))
+    headers = response_headers(response, extra_headers)
+    # The pump runs in this task; only the disconnect watcher gets its own, and cancels this one when
+    # the client leaves. (A task per side plus asyncio.wait cost a tenth of the proxy's time per request.)
+    this = asyncio.current_task()
+    assert this is not None
+    pumping = True
+
+    def client_left(watch: asyncio.Task[None]) -> None:
+        if pumping and not watch.cancelled():
+            this.cancel()
+
     watch = asyncio.create_task(_wait_for_disconnect(receive))
+    watch.add_done_callback(client_left)
     try:
-        done, _ = await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (pump, watch):
-            task.cancel()
-        for task in (pump, watch):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if pump not in done or pump.cancelled():
+        await _pump(response, send, meter, result, headers)
+    except asyncio.CancelledError:
+        if not watch.done() or watch.cancelled() or this.uncancel() > 0:
+            raise  # cancelled from outside, not by the watcher
         result.disconnected = True
-    elif (exc := pump.exception()) is not None:
-        if isinstance(exc, OSError):  # the ASGI server reports a vanished client this way
-            result.disconnected = True
-        else:
-            raise exc
+    except OSError:  # the ASGI server reports a vanished client this way
+        result.disconnected = True
+    finally:
+        pumping = False
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
     result.finished = time.perf_counter()
     return result
 

@@ -197,14 +197,20 @@ async def _send_request(conn: _Connection, request: httpx.Request, timeout: floa
     if not isinstance(stream, httpx.AsyncByteStream):
         raise RuntimeError("the upstream transport needs an async request body")
     try:
-        writer.write(events.send(h11.Request(method=request.method, target=request.url.raw_path,
-                                             headers=request.headers.raw)))
-        async for part in stream:
-            if part:
-                writer.write(events.send(h11.Data(data=part)))
-                if writer.transport.get_write_buffer_size():
-                    await _drain(writer, timeout)
-        writer.write(events.send(h11.EndOfMessage()))
+        head = events.send(h11.Request(method=request.method, target=request.url.raw_path,
+                                       headers=request.headers.raw))
+        if isinstance(stream, httpx.ByteStream):  # a body in memory: the whole request in one write
+            body = b"".join([part async for part in stream])
+            writer.write(b"".join((head, events.send(h11.Data(data=body)) if body else b"",
+                                   events.send(h11.EndOfMessage()))))
+        else:
+            writer.write(head)
+            async for part in stream:
+                if part:
+                    writer.write(events.send(h11.Data(data=part)))
+                    if writer.transport.get_write_buffer_size():
+                        await _drain(writer, timeout)
+            writer.write(events.send(h11.EndOfMessage()))
         # A request that the socket took whole (the usual case) needs no timer armed and cancelled.
         if writer.transport.get_write_buffer_size() or writer.transport.is_closing():
             await _drain(writer, timeout)
