@@ -92,7 +92,7 @@ async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter
     result.is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
     headers = response_headers(response, extra_headers)
     # The pump runs in this task; only the disconnect watcher gets its own, and cancels this one when
-    # the client leaves. (A task per side plus asyncio.wait cost a tenth of the proxy's time per request.)
+    # the client leaves. (A task per side plus asyncio.wait cost about 5 % of the proxy's time per request.)
     this = asyncio.current_task()
     assert this is not None
     pumping = True

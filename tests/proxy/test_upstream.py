@@ -6,7 +6,13 @@ import json
 import socket
 from typing import Any
 
-from decodeservice.bench.fake_engine import FakeEngine
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
+from decodeservice.proxy.upstream import make_client
 
 
 def _free_port_url() -> str:
@@ -102,3 +108,19 @@ async def test_other_paths_pass_through(engine: FakeEngine, proxy: Any) -> None:
         tok = await client.post("/tokenize", json={"prompt": "a b c"})
     assert models.json()["data"][0]["id"] == "fake-model"
     assert tok.json()["count"] == 3
+
+
+async def test_the_upstream_client_keeps_no_cookies() -> None:
+    async def set_cookie(request: Request) -> Response:
+        response = JSONResponse({})
+        response.set_cookie("session", "alice")
+        return response
+
+    async def show(request: Request) -> Response:
+        return JSONResponse({"cookie": request.headers.get("cookie")})
+
+    app = Starlette(routes=[Route("/set", set_cookie), Route("/show", show)])
+    async with serve_loopback(app) as url, make_client(max_connections=4) as client:
+        assert "session=alice" in (await client.get(url + "/set")).headers["set-cookie"]
+        # One user's cookie must not ride along on the next user's request.
+        assert (await client.get(url + "/show")).json() == {"cookie": None}
