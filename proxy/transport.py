@@ -241,7 +241,9 @@ async def _receive_head(conn: _Connection, timeout: float | None, request: httpx
         elif type(event) is h11.ConnectionClosed:
             raise httpx.RemoteProtocolError("the server closed the connection without answering",
                                             request=request)
-        # An InformationalResponse (1xx) is skipped: the final answer follows.
+        elif type(event) is not h11.InformationalResponse:  # a 1xx is skipped: the final answer follows
+            # e.g. 101 Switching Protocols (h11 pauses): there is no HTTP response to relay.
+            raise httpx.RemoteProtocolError(f"unexpected {event!r} instead of a response head", request=request)
 
 
 async def _read(conn: _Connection, timeout: float | None, request: httpx.Request) -> bytes:

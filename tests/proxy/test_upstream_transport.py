@@ -180,3 +180,15 @@ async def test_server_closing_before_answering_is_a_protocol_error() -> None:
     async with raw_server(close_at_once) as (url, _), client_for() as (client, _):
         with pytest.raises(httpx.RemoteProtocolError):
             await client.get(url + "/")
+
+
+async def test_a_protocol_switch_is_refused_not_waited_on() -> None:
+    async def switch(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # hold the connection open: a client that waited here would hang
+
+    async with raw_server(switch) as (url, _), client_for() as (client, _):
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.get(url + "/", headers={"upgrade": "websocket", "connection": "upgrade"})
