@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ class RunResult:
     num_requests: int
     output_tokens: int
     outputs: list[list[int]]
+    # Median wall time of a decode-only step by the draft tokens it verified (0: a plain decode step);
+    # measured at concurrency 1 only, where a step holds one sequence.
+    step_ms_by_drafts: dict[int, float]
 
 
 def run(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: int) -> RunResult:
@@ -120,12 +124,22 @@ def run(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: int) -
     pending = list(enumerate(prompts))
     in_flight: dict[str, int] = {}
     done: dict[int, Any] = {}
+    step_times: dict[int, list[float]] = {}
     start, cpu_start = time.perf_counter(), time.process_time()
     while pending or in_flight:
+        admitted = False
         while pending and len(in_flight) < concurrency:
             index, prompt = pending.pop(0)
             in_flight[engine.add_request(prompt, params)] = index
-        for out in engine.step():
+            admitted = True
+        drafts_before = engine.stats().spec_decode.num_draft_tokens
+        step_start = time.perf_counter()
+        outs = engine.step()
+        step_time = time.perf_counter() - step_start
+        if concurrency == 1 and not admitted:  # a step with a prompt in it is not a decode step
+            drafts = engine.stats().spec_decode.num_draft_tokens - drafts_before
+            step_times.setdefault(drafts, []).append(step_time)
+        for out in outs:
             if out.finished:
                 done[in_flight.pop(out.request_id)] = out
     wall = time.perf_counter() - start
@@ -144,7 +158,8 @@ def run(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: int) -
                      cpu_decode_tok_s=decode_tokens / max(cpu, 1e-9),
                      mean_acceptance_length=1 + accepted / drafts if drafts else None,
                      num_requests=len(done), output_tokens=sum(len(o.token_ids) for o in done.values()),
-                     outputs=[done[i].token_ids for i in sorted(done)])
+                     outputs=[done[i].token_ids for i in sorted(done)],
+                     step_ms_by_drafts={k: 1000 * statistics.median(v) for k, v in sorted(step_times.items())})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                               "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(),
                               "default_disable_batch_size": SpeculativeConfig(method="ngram").disable_batch_size,
                               "workloads": {}}
+    # Warm-up: the first forwards of a process pay for oneDNN kernel selection and allocator growth.
+    warm_prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": workload_messages("input_grounded")[0]}])
+    for engine in engines.values():
+        run(engine, [warm_prompt], concurrency=1, max_tokens=24)
     for workload in args.workloads.split(","):
         messages = workload_messages(workload)
         prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in messages]
@@ -203,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                              "mean_acceptance_length": None if res.mean_acceptance_length is None
                              else round(res.mean_acceptance_length, 3),
                              "output_tokens": res.output_tokens}
+                if res.step_ms_by_drafts:
+                    row[name]["median_step_ms_by_drafts"] = {str(k): round(v, 1)
+                                                             for k, v in res.step_ms_by_drafts.items()}
             row["speedup"] = round(results["on"].decode_tok_s / results["off"].decode_tok_s, 3)
             row["aggregate_speedup"] = round(results["on"].aggregate_decode_tok_s
                                              / results["off"].aggregate_decode_tok_s, 3)

@@ -29,7 +29,9 @@ class DecodeGroup:
     # (B, 1, Q, M*block_size) additive: 0 where a query may attend, -inf elsewhere. Additive rather
     # than bool, so attention does not convert it again in every layer.
     attn_mask: torch.Tensor
-    covers_all_in_order: bool  # Q == 1 and the group is packed tokens 0..B-1, in order
+    # Every sequence has Q query tokens and the group is packed tokens 0..B*Q-1 in order (pure
+    # decode, or verifies with equal k): queries and outputs are then plain views, no gathers.
+    covers_all_in_order: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed; and no hooks, so no hook dispatch
+        return self.forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -76,7 +81,8 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return True
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        onednn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn:
             return False
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -156,10 +162,10 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk, v = torch.split(self.qkv_proj(x), [self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotate together: one set of elementwise ops per layer instead of two.
         qk = Rotary.rotate(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (N, H, D), (N, Hkv, D)
+        q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)  # (N, H, D), (N, Hkv, D)
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
@@ -172,20 +178,21 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # (N, H, D)
         if batch.decode is not None:
             group = batch.decode
-            b = group.block_tables.shape[0]
+            b, q_len = group.query_index.shape
             keys = gather_blocks(k_cache, group.block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
             values = gather_blocks(v_cache, group.block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
             # keys/values: (B, L, Hkv, D) with L = M * block_size
-            # (B, Q, H, D); decode rows that are packed tokens 0..B-1 in order need no gather
-            queries = q[:b].unsqueeze(1) if group.covers_all_in_order else q[group.query_index]
+            dense = group.covers_all_in_order
+            # (B, Q, H, D)
+            queries = q[: b * q_len].view(b, q_len, self.num_heads, self.head_dim) if dense else q[group.query_index]
             attended = F.scaled_dot_product_attention(
                 queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=group.attn_mask, enable_gqa=True,
             ).transpose(1, 2)  # (B, Q, H, D)
-            if group.covers_all_in_order:  # pure decode: rows are already the packed tokens
-                if not batch.prefills:
+            if dense:
+                if not batch.prefills:  # the group is the whole step
                     return self.o_proj(attended.reshape(x.shape[0], self.q_size))
-                out[: attended.shape[0]] = attended[:, 0]
+                out[: b * q_len] = attended.reshape(b * q_len, self.num_heads, self.head_dim)
             else:
                 out[group.query_index[group.query_valid]] = attended[group.query_valid]
         for piece in batch.prefills:
@@ -226,7 +233,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate, up = torch.split(self.gate_up_proj(x), self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

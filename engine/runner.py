@@ -114,5 +114,5 @@ class ModelRunner:
             query_valid=valid.to(self.device),
             block_tables=tables.to(self.device),
             attn_mask=torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf")).to(self.device),
-            covers_all_in_order=max_q == 1 and bool((starts == torch.arange(b)).all()),
+            covers_all_in_order=bool(valid.all()) and bool((starts == torch.arange(b) * max_q).all()),
         )
