@@ -37,7 +37,10 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step, k (default 4)")
     spec.add_argument("--draft-model", help="draft model for --speculative-method draft")
     spec.add_argument("--speculative-disable-batch-size", type=int,
-                      help="turn speculation off at this many running sequences")
+                      help="turn speculation off at this many running sequences (default 32)")
+    spec.add_argument("--speculative-draft-row-cost", type=float,
+                      help="cost of verifying one more draft, as a fraction of a decode step (default 0.04, "
+                           "measured on CPU); sets how fast k shrinks with low acceptance and large batches")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM (default 30)")
@@ -59,6 +62,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                                 "draft_model": args.draft_model}
         if args.speculative_disable_batch_size is not None:
             spec["disable_batch_size"] = args.speculative_disable_batch_size
+        if args.speculative_draft_row_cost is not None:
+            spec["draft_row_cost"] = args.speculative_draft_row_cost
         kwargs["speculative"] = spec
     elif args.draft_model:
         kwargs["speculative"] = {"method": "draft", "num_tokens": args.num_speculative_tokens,

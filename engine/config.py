@@ -49,16 +49,17 @@ class SpeculativeConfig:
     draft_model: str | None = None
     # self_draft: the target's first L layers plus its final norm and head.
     draft_layers: int | None = None
-    # Speculation turns off when this many sequences run: verifying k extra positions then costs more
-    # than it saves. Measured in benchmarks/spec_decode.py; see the README.
-    disable_batch_size: int = 8
+    # Hard ceiling: nobody drafts while this many sequences run. Below it, `draft_row_cost` decides.
+    disable_batch_size: int = 32
+    # Per request, k follows the request's recent acceptance and the batch size (see decoder.py):
+    # position j is drafted only while its expected acceptance beats its cost.
     adaptive: bool = True
-    # A verify step over k+1 positions costs more than a plain decode step (on 2 CPU cores about 1.9x
-    # with k=4, from benchmarks/spec_decode.py: 2.36 tokens per verify gave a 1.26x speed-up). A request
-    # whose recent tokens-per-verify (an exponential average) falls below this threshold pauses
-    # drafting, with exponential back-off, and probes again later. It sits below the measured
-    # break-even so that only clear losers pause; copy-heavy requests dip below it only briefly.
-    min_tokens_per_verify: float = 1.5
+    # What verifying one more position costs, as a fraction of a batch-1 decode step. On 2 CPU cores
+    # with oneDNN-packed fp32 weights, benchmarks/spec_decode.py measured about 0.04 (its
+    # median_step_ms_by_drafts); on a GPU at small batch it is far lower. A draft at position j pays
+    # when P(accepted) > draft_row_cost x batch size, so the same rule turns speculation down as the
+    # batch grows and turns it off for requests whose drafts keep failing. 0 always drafts num_tokens.
+    draft_row_cost: float = 0.04
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft", "self_draft"):
@@ -73,8 +74,8 @@ class SpeculativeConfig:
             raise ConfigError("draft_layers must be >= 1")
         if self.disable_batch_size < 1:
             raise ConfigError("disable_batch_size must be >= 1")
-        if not 1.0 <= self.min_tokens_per_verify <= self.num_tokens + 1:
-            raise ConfigError("min_tokens_per_verify must be in [1, num_tokens + 1]")
+        if not 0.0 <= self.draft_row_cost < 1.0:
+            raise ConfigError("draft_row_cost must be in [0, 1)")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -2,8 +2,9 @@
 
 The engine calls, every step:
 1. `propose(running, batch_size=...)` before scheduling: decode-phase sequences get up to k drafts in
-   `seq.spec_token_ids` (k adapts per request); nobody drafts when the batch is at least
-   `disable_batch_size` (verifying k extra positions then costs more than it saves);
+   `seq.spec_token_ids`. k is set per request by `draft_length` from the request's recent acceptance
+   and the batch size, so speculation fades out as the batch grows or the drafts stop landing; nobody
+   drafts when the batch is at least `disable_batch_size`;
 2. the target scores the last token plus every draft in one forward;
 3. `verify(seq, proposed, rows)` per speculating sequence: accepted drafts plus one more token;
 4. `rollback(seq, num_computed)`: the proposer forgets rejected positions (the engine truncates the
@@ -12,7 +13,9 @@ The engine calls, every step:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,13 +37,50 @@ from decodeservice.engine.spec_decode.verify import greedy_accept, rejection_sam
 SampledVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator | None], list[int]]
 
 
-MAX_COOLDOWN = 32
-EMA_WEIGHT = 0.25  # weight of the newest verify in a request's tokens-per-verify average
+MAX_COOLDOWN = 32  # the longest pause, in steps, before a request whose drafts fail probes again
+ACCEPTANCE_DECAY = 0.7  # weight of the past in a request's acceptance estimate, per verification
+# A new request starts at an acceptance of 2/3: enough to draft a few tokens and learn from them.
+PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0
 
 
 def default_self_draft_layers(num_layers: int) -> int:
     # A quarter of the target: drafting k tokens then costs about k/4 target steps.
     return max(1, num_layers // 4)
+
+
+def draft_length(acceptance: float, *, batch_size: int, row_cost: float, max_tokens: int) -> int:
+    """How many drafts are worth verifying (0: none).
+
+    Draft j (1-based) is accepted with probability acceptance**j: each lands with the same chance,
+    given that the ones before it did. Verifying it costs row_cost of a decode step for every sequence
+    in the batch, so it pays while acceptance**j > row_cost * batch_size."""
+    threshold = row_cost * batch_size
+    if threshold <= 0.0 or acceptance >= 1.0:
+        return max_tokens
+    if acceptance <= threshold:
+        return 0
+    return min(max_tokens, int(math.log(threshold) / math.log(acceptance)))
+
+
+@dataclass(kw_only=True)
+class DraftingState:
+    """What the decoder remembers about one request's drafts."""
+
+    hits: float = PRIOR_HITS  # decayed count of accepted drafts
+    misses: float = PRIOR_MISSES  # decayed count of rejections
+    cooldown: int = 0  # steps left without drafting
+    pauses: int = 0  # pauses in a row; the next one lasts 2**pauses steps
+    probe_due: bool = False  # the pause just ended: draft one token even if the estimate says no
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def record(self, *, proposed: int, accepted: int) -> None:
+        self.hits = ACCEPTANCE_DECAY * self.hits + accepted
+        self.misses = ACCEPTANCE_DECAY * self.misses + (1 if accepted < proposed else 0)
+        if accepted:
+            self.pauses = 0
 
 
 class SpeculativeDecoder:
@@ -54,9 +94,7 @@ class SpeculativeDecoder:
         self.sampled_verifier = sampled_verifier
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q of the drafts in flight
         self._tracked: dict[str, Sequence] = {}  # sequences the proposer may hold state for
-        self._misses: dict[str, int] = {}  # request id -> verifications in a row below break-even
-        self._rate: dict[str, float] = {}  # request id -> average tokens per verify (accepted + 1)
-        self._cooldown: dict[str, int] = {}  # request id -> steps left without drafting
+        self._states: dict[str, DraftingState] = {}
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -98,13 +136,12 @@ class SpeculativeDecoder:
         enabled = batch_size < self.config.disable_batch_size
         for seq in running:
             seq.spec_token_ids = []
-            if not enabled or seq.in_prefill or self._cooling(seq.request_id):
+            if not enabled or seq.in_prefill:
                 continue
-            if seq.spec_num_tokens == 0:
-                seq.spec_num_tokens = self.config.num_tokens
+            k = self._draft_length(seq, batch_size)
             # k + 1 tokens may come out: stay within max_tokens and the position table.
             remaining = seq.params.max_tokens - len(seq.output_token_ids)
-            k = min(seq.spec_num_tokens, remaining - 1, self.max_positions - seq.num_tokens - 1)
+            k = min(k, remaining - 1, self.max_positions - seq.num_tokens - 1)
             if k >= 1:
                 requests.append(DraftRequest(seq=seq, num_tokens=k))
                 self._tracked[seq.request_id] = seq
@@ -114,6 +151,27 @@ class SpeculativeDecoder:
             req.seq.spec_token_ids = draft.token_ids
             if draft.probs is not None and draft.token_ids:
                 self._probs[req.seq.request_id] = draft.probs
+
+    def _draft_length(self, seq: Sequence, batch_size: int) -> int:
+        if not self.config.adaptive:
+            seq.spec_num_tokens = self.config.num_tokens
+            return seq.spec_num_tokens
+        state = self._states.setdefault(seq.request_id, DraftingState())
+        if state.cooldown:
+            state.cooldown -= 1
+            return 0
+        k = draft_length(state.acceptance, batch_size=batch_size, row_cost=self.config.draft_row_cost,
+                         max_tokens=self.config.num_tokens)
+        if k == 0 and not state.probe_due:
+            # Not worth drafting now. Pause (2, 4, .. MAX_COOLDOWN steps), then probe with one draft:
+            # the text may have turned to copying, or the batch may have shrunk.
+            state.pauses += 1
+            state.cooldown = min(2**state.pauses, MAX_COOLDOWN)
+            state.probe_due = True
+            return 0
+        state.probe_due = False
+        seq.spec_num_tokens = max(k, 1)
+        return seq.spec_num_tokens
 
     # -- verification ------------------------------------------------------------------------------
     def verify(self, seq: Sequence, proposed: list[int], rows: torch.Tensor) -> list[int]:
@@ -128,26 +186,10 @@ class SpeculativeDecoder:
             tokens = self.sampled_verifier(draft_ids, p, None if q is None else q[:k], seq.generator)
         accepted = len(tokens) - 1
         self._record(k, accepted)
-        if self.config.adaptive:
-            # Grow k while every draft lands, shrink it on a miss; stay within [1, num_tokens].
-            step = 1 if accepted == k else -1
-            seq.spec_num_tokens = max(1, min(self.config.num_tokens, k + step))
-            # A request whose drafts land too rarely pays for verification and gains nothing: when its
-            # recent tokens per verify fall below the break-even, back off exponentially (2, 4, ..
-            # MAX_COOLDOWN steps) and probe again after.
-            rate = EMA_WEIGHT * (accepted + 1) + (1 - EMA_WEIGHT) * self._rate.get(seq.request_id, accepted + 1)
-            self._rate[seq.request_id] = rate
-            misses = self._misses.get(seq.request_id, 0) + 1 if rate < self.config.min_tokens_per_verify else 0
-            self._misses[seq.request_id] = misses
-            if misses:
-                self._cooldown[seq.request_id] = min(2**misses, MAX_COOLDOWN)
+        state = self._states.get(seq.request_id)
+        if state is not None:
+            state.record(proposed=k, accepted=accepted)
         return tokens
-
-    def _cooling(self, request_id: str) -> bool:
-        left = self._cooldown.get(request_id, 0)
-        if left:
-            self._cooldown[request_id] = left - 1
-        return left > 0
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         self.proposer.rollback(seq, num_tokens)
@@ -155,9 +197,7 @@ class SpeculativeDecoder:
     def free(self, seq: Sequence) -> None:
         self._probs.pop(seq.request_id, None)
         self._tracked.pop(seq.request_id, None)
-        self._misses.pop(seq.request_id, None)
-        self._rate.pop(seq.request_id, None)
-        self._cooldown.pop(seq.request_id, None)
+        self._states.pop(seq.request_id, None)
         self.proposer.free(seq)
 
     # -- counters ----------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_greedy_is_bit_identical_with_speculation(bundled: ModelBundle, prompts:
                                                   baseline: list[list[int]], spec: dict[str, Any]) -> None:
     # No per-request pause: every method must actually draft and verify here (the pause only changes
     # when drafting happens, never what is generated).
-    config = EngineConfig(speculative=SpeculativeConfig.parse({**spec, "min_tokens_per_verify": 1.0}))
+    config = EngineConfig(speculative=SpeculativeConfig.parse({**spec, "draft_row_cost": 0.0}))
     draft = bundled.model if spec["method"] == "draft" else None
     engine = Engine(model=bundled.model, tokenizer=bundled.tokenizer, config=config, draft=draft)
     outputs = [o.token_ids for o in engine.generate(prompts, GREEDY)]

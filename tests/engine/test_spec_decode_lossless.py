@@ -146,7 +146,7 @@ def setup() -> tuple[Engine, Callable[[SampledVerifier], Engine], dict[object, f
     params = SamplingParams(**PARAMS)  # type: ignore[arg-type]
     # No break-even back-off: this test wants every request to draft, to exercise verification.
     spec = SpeculativeConfig(method="draft", draft_model="noisy-copy", num_tokens=2, disable_batch_size=10**6,
-                             min_tokens_per_verify=1.0)
+                             draft_row_cost=0.0)
 
     def build(verifier: SampledVerifier) -> Engine:
         engine = Engine(model=target, tokenizer=tokenizer, draft=draft, config=EngineConfig(

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from decodeservice.engine import (
     ConfigError,
@@ -20,6 +22,7 @@ from decodeservice.engine import (
 from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
 from decodeservice.engine.loader.registry import resolve_model_path
 from decodeservice.engine.model import LlamaModel
+from decodeservice.engine.spec_decode.decoder import draft_length
 from decodeservice.engine.spec_decode.proposers import DraftModelProposer, ngram_lookup
 from decodeservice.engine.tokenizer import Tokenizer
 
@@ -180,15 +183,37 @@ def test_off_switch_and_adaptive_k(target: LlamaModel, tokenizer: Tokenizer) -> 
                              draft=draft)
         engine.add_request(PROMPTS[1], GREEDY)
         seen_k: list[int] = []
+        steps = 0
         while engine.has_unfinished_requests():
             engine.step()
+            steps += 1
             seen_k += [s.spec_num_tokens for s in engine.scheduler.running if s.spec_num_tokens]  # 0: not yet
         stats = engine.stats().spec_decode
         assert stats.num_drafts > 0
         if shrinks:
             assert 1 in seen_k and stats.num_draft_tokens < 4 * stats.num_drafts
+            assert stats.num_drafts < (steps - 1) / 2  # drafts that keep failing pause, then probe
         else:
             assert set(seen_k) == {4} and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_draft_length_weighs_acceptance_against_batch_cost() -> None:
+    # Draft j pays while acceptance**j > row_cost * batch_size.
+    assert draft_length(0.5, batch_size=1, row_cost=0.04, max_tokens=8) == 4  # 0.5**4 > 0.04 > 0.5**5
+    assert draft_length(0.5, batch_size=4, row_cost=0.04, max_tokens=8) == 2  # 0.5**2 > 0.16 > 0.5**3
+    assert draft_length(0.5, batch_size=16, row_cost=0.04, max_tokens=8) == 0  # 0.64 > 0.5: none pays
+    assert draft_length(0.95, batch_size=1, row_cost=0.04, max_tokens=8) == 8  # capped at the maximum
+    assert draft_length(1.0, batch_size=64, row_cost=0.04, max_tokens=8) == 8
+    assert draft_length(0.1, batch_size=64, row_cost=0.0, max_tokens=5) == 5  # free rows: always draft
+
+
+@given(a=st.floats(0.0, 1.0), b=st.floats(0.0, 1.0), batch=st.integers(1, 64), cost=st.floats(0.0, 0.5))
+def test_draft_length_is_monotone(a: float, b: float, batch: int, cost: float) -> None:
+    low, high = sorted((a, b))
+    assert draft_length(low, batch_size=batch, row_cost=cost, max_tokens=8) <= draft_length(
+        high, batch_size=batch, row_cost=cost, max_tokens=8)
+    assert draft_length(a, batch_size=batch + 1, row_cost=cost, max_tokens=8) <= draft_length(
+        a, batch_size=batch, row_cost=cost, max_tokens=8)
 
 
 def test_ngram_lookup() -> None:
