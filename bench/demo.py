@@ -45,7 +45,7 @@ class DemoConfig:
     max_tokens: int = 48  # cap on each `mixed` entry's output_len, so the demo stays short on a laptop
     concurrency: int = 4  # below the engine's speculation cut-off (8 running sequences)
     model: str = "smollm2-135m"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     slo: Slo = DEFAULT_SLO
     ready_timeout_s: float = 240.0
     seed: int = 0

@@ -10,10 +10,12 @@ proxy is a sidecar with its own CPU in production. Each process's CPU seconds pe
 
 Sweep mode (`--engine-url URL`): for each batching window (default 0, 5, 20, 50 ms) starts a proxy in
 front of that engine with the window on the `batch` class, sends `batch` streams, and reports throughput
-and TTFT per window.
+and TTFT per window. By default the streams come as a closed loop at `--concurrency`; `--rate R` sends
+them as seeded Poisson arrivals instead (open loop), where a window has separate arrivals to group.
 
     python benchmarks/proxy_overhead.py --out overhead.json
     python benchmarks/proxy_overhead.py --engine-url http://127.0.0.1:8001 --out sweep.json
+    python benchmarks/proxy_overhead.py --engine-url http://127.0.0.1:8001 --rate 2 --requests 48
 
 JSON goes to stdout (and to `--out FILE`).
 """
@@ -26,6 +28,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -152,6 +155,35 @@ async def run_load(url: str, *, concurrency: int, requests: int, body: dict[str,
     }
 
 
+async def run_poisson(url: str, *, rate: float, requests: int, seed: int, body: dict[str, Any],
+                      headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Open loop: `requests` streams arriving as a seeded Poisson process of `rate` per second, so
+    arrivals are spread out the way independent users send them (a closed-loop burst arrives at once,
+    which no window can group further)."""
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in range(requests)]
+    async with load_client(requests) as client:
+        async def one(delay: float) -> tuple[float | None, int, int, float]:
+            await asyncio.sleep(delay)
+            sent = time.perf_counter()
+            ttft, tokens, status = await _one_stream(client, url, body, headers or {})
+            return ttft, tokens, status, time.perf_counter() - sent
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(sum(gaps[: i + 1])) for i in range(requests)))
+        wall = time.perf_counter() - start
+    ttfts = sorted(t for t, *_ in results if t is not None)
+    e2e = sorted(e for _, _, status, e in results if status == 200)
+    tokens = sum(n for _, n, _, _ in results)
+    return {
+        "requests": requests, "ok": sum(1 for _, _, status, _ in results if status == 200), "wall_s": wall,
+        "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+        "ttft_p50_ms": statistics.median(ttfts) * 1000 if ttfts else None,
+        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else None,
+        "e2e_p50_ms": statistics.median(e2e) * 1000 if e2e else None,
+    }
+
+
 OVERHEAD_POLICY = """\
 admission: {maxInflight: 256}
 classes:
@@ -253,13 +285,19 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for window in args.windows:
         policy = (f"admission: {{maxInflight: {max(64, args.concurrency)}}}\n"
                   f"classes:\n  batch: {{batchWindowMs: {window}, maxBatch: {args.max_batch}, maxQueue: 4096}}\n")
+        headers = {"x-priority": "batch"}
         with tempfile.TemporaryDirectory() as tmp, proxy(engine_url, policy, logs=Path(tmp)) as prox:
-            result = asyncio.run(run_load(prox.url, concurrency=args.concurrency, requests=args.requests,
-                                          body=body, headers={"x-priority": "batch"}))
+            if args.rate:
+                result = asyncio.run(run_poisson(prox.url, rate=args.rate, requests=args.requests, seed=args.seed,
+                                                 body=body, headers=headers))
+            else:
+                result = asyncio.run(run_load(prox.url, concurrency=args.concurrency, requests=args.requests,
+                                              body=body, headers=headers))
         rows.append({"batch_window_ms": window, **result})
     return {"mode": "window_sweep", "engine_url": engine_url, "model": model,
-            "config": {"concurrency": args.concurrency, "requests": args.requests, "tokens": args.tokens,
-                       "max_batch": args.max_batch},
+            "config": {"arrivals": f"poisson {args.rate}/s seed {args.seed}" if args.rate
+                       else f"closed loop, concurrency {args.concurrency}",
+                       "requests": args.requests, "tokens": args.tokens, "max_batch": args.max_batch},
             "windows": rows}
 
 
@@ -282,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=128, help="sweep mode: requests per window")
     parser.add_argument("--model", help="sweep mode: model name (default: the first of GET /v1/models)")
     parser.add_argument("--prompt", default="Once upon a time", help="sweep mode: prompt text")
+    parser.add_argument("--rate", type=float, help="sweep mode: open-loop Poisson arrivals per second "
+                        "instead of a closed loop at --concurrency")
+    parser.add_argument("--seed", type=int, default=0, help="sweep mode: seed of the Poisson arrivals")
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.tokens < 1 or args.rounds < 1:
         parser.error("--concurrency, --tokens and --rounds must be >= 1")

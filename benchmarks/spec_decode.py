@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="ngram", choices=["ngram", "self_draft"])
-    parser.add_argument("--num-tokens", type=int, default=4, help="drafts per step (k)")
+    parser.add_argument("--num-tokens", type=int, default=8, help="most drafts per step (k)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per run at concurrency 1 "

@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=["none", "ngram", "draft", "self_draft"], default="none")
-    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step, k (default 4)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=8, help="most draft tokens per step, k (default 8)")
     spec.add_argument("--draft-model", help="draft model for --speculative-method draft")
     spec.add_argument("--speculative-disable-batch-size", type=int,
                       help="turn speculation off at this many running sequences (default 32)")

@@ -41,7 +41,7 @@ class SpeculativeConfig:
     """Speculative decoding options; see engine/spec_decode."""
 
     method: SpeculativeMethod
-    num_tokens: int = 4
+    num_tokens: int = 8  # the most drafts per step; the adaptive rule picks fewer where they do not pay
     # n-gram proposer: longest-first match of the last n tokens, n in [min, max].
     ngram_min: int = 1
     ngram_max: int = 4
