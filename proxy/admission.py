@@ -54,7 +54,7 @@ class PriorityGate:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._queues[priority]
         queue.append(waiter)
-        self.metrics.waiting.labels(priority.value).set(len(queue))
+        self.metrics.for_class[priority].waiting.set(len(queue))
         try:
             await waiter
         except asyncio.CancelledError:
@@ -64,7 +64,7 @@ class PriorityGate:
                 queue.remove(waiter)
             raise
         finally:
-            self.metrics.waiting.labels(priority.value).set(len(queue))
+            self.metrics.for_class[priority].waiting.set(len(queue))
 
     def release(self) -> None:
         for priority in _ORDER:
@@ -73,7 +73,7 @@ class PriorityGate:
                 waiter = queue.popleft()
                 if not waiter.done():
                     waiter.set_result(None)  # the slot passes straight to the waiter; inflight unchanged
-                    self.metrics.waiting.labels(priority.value).set(len(queue))
+                    self.metrics.for_class[priority].waiting.set(len(queue))
                     return
         self._set_inflight(self.inflight - 1)
 
@@ -105,10 +105,24 @@ class Admission:
             return
         ctx = get_context(scope)
         priority = ctx.priority
+        # A request that gets a slot at once is never shed: none of the prediction runs for it.
+        if self.gate.would_wait(priority):
+            self._check_shed(priority)
+        started = time.perf_counter()
+        await self.gate.acquire(priority)
+        try:
+            ctx.queue_wait = time.perf_counter() - started
+            self.metrics.for_class[priority].queue_time.observe(ctx.queue_wait)
+            await self.app(scope, receive, send)
+        finally:
+            self.gate.release()
+
+    def _check_shed(self, priority: PriorityClass) -> None:
+        """Raise Overloaded when the class queue is full or the predicted TTFT breaks the objective."""
         cls = self.policy.classes.for_class(priority)
         now = time.perf_counter()
         wait = self.predicted_wait(priority, now=now)
-        if self.gate.would_wait(priority) and self.gate.depth(priority) >= cls.max_queue:
+        if self.gate.depth(priority) >= cls.max_queue:
             raise Overloaded(f"the {priority.value} queue is full ({cls.max_queue} waiting)",
                              headers={"Retry-After": str(_retry_after(wait))}, reason="queue_full")
         # The quantile sorts the recent samples: only worth it for a request that would wait.
@@ -121,14 +135,6 @@ class Admission:
                     f"{self.policy.slo.ttft_ms:g} ms objective for {priority.value} requests",
                     headers={"Retry-After": str(_retry_after(wait))}, reason="slo",
                 )
-        started = time.perf_counter()
-        await self.gate.acquire(priority)
-        try:
-            ctx.queue_wait = time.perf_counter() - started
-            self.metrics.queue_time.labels(priority.value).observe(ctx.queue_wait)
-            await self.app(scope, receive, send)
-        finally:
-            self.gate.release()
 
 
 def _retry_after(wait: float | None) -> int:

@@ -101,7 +101,7 @@ class ErrorBoundary:
         cls = ctx.priority.value if isinstance(ctx, RequestContext) else "unknown"
         if isinstance(ctx, RequestContext) and ctx.client_disconnected:
             status = 499  # nginx's "client closed request"
-        self.metrics.requests.labels(cls, str(status)).inc()
+        self.metrics.answered(cls, status).inc()
 
     def _count_refusal(self, scope: Scope, exc: ProxyError) -> None:
         ctx = scope.get(SCOPE_KEY)

@@ -43,7 +43,7 @@ class BatchingWindow:
         if cls.batch_window_ms > 0 and cls.max_batch > 1:
             ctx.window_hold = await self._hold(priority, window=cls.batch_window_ms / 1000.0,
                                                max_batch=cls.max_batch)
-        self.metrics.window_hold.labels(priority.value).observe(ctx.window_hold)
+        self.metrics.for_class[priority].window_hold.observe(ctx.window_hold)
         await self.app(scope, receive, send)
 
     def held(self, priority: PriorityClass) -> int:
@@ -59,7 +59,7 @@ class BatchingWindow:
             self._open[priority] = group
             group.timer = asyncio.get_running_loop().call_later(window, self._release, priority, group)
         group.members += 1
-        held = self.metrics.held.labels(priority.value)
+        held = self.metrics.for_class[priority].held
         held.inc()
         if group.members >= max_batch:
             self._release(priority, group)

@@ -22,6 +22,10 @@ STATUS_KEY = "decode_proxy.status"
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RequestContext:
     body: dict[str, Any]  # the parsed JSON body; policies rewrite it in place before it is forwarded
+    # The bytes the client sent. Forwarded as they are unless a policy set `body_rewritten`, which
+    # saves re-serialising a body nobody changed.
+    raw_body: bytes = b""
+    body_rewritten: bool = True
     priority: PriorityClass
     tenant: str | None
     arrived: float  # time.perf_counter() when the request reached the proxy

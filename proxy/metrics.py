@@ -6,6 +6,7 @@ state), served at the proxy's GET /metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -22,6 +23,22 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ClassMetrics:
+    """One class's labelled children, bound once: `.labels()` hashes and locks on every call."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    window_hold: Histogram
+    waiting: Gauge
+    held: Gauge
+    clamped: Counter
+    generation_tokens: Counter
 
 
 class ProxyMetrics:
@@ -73,29 +90,37 @@ class ProxyMetrics:
         self.upstream_errors = Counter(f"{PREFIX}upstream_errors",
                                        "Upstream failures: unreachable, died mid-stream, timeout.",
                                        ["kind"], registry=r)
-        for p in PriorityClass:
-            for m in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.window_hold):
-                m.labels(p.value)
-            self.waiting.labels(p.value).set(0)
-            self.held.labels(p.value).set(0)
-            self.clamped.labels(p.value)
-            self.generation_tokens.labels(p.value)
+        self.for_class = {p: ClassMetrics(
+            ttft=self.ttft.labels(p.value), itl=self.itl.labels(p.value), tpot=self.tpot.labels(p.value),
+            e2e=self.e2e.labels(p.value), queue_time=self.queue_time.labels(p.value),
+            window_hold=self.window_hold.labels(p.value), waiting=self.waiting.labels(p.value),
+            held=self.held.labels(p.value), clamped=self.clamped.labels(p.value),
+            generation_tokens=self.generation_tokens.labels(p.value),
+        ) for p in PriorityClass}
+        self._answered: dict[tuple[str, int], Counter] = {}
         self.slo_target.set(policy.slo.percentile / 100.0)
         self.tracker = SloTracker(policy.slo)
         self.latency = LatencyModel(window_seconds=policy.slo.window_seconds)
         self._refresh_attainment(time.perf_counter())
 
+    def answered(self, cls: str, status: int) -> Counter:
+        """The `requests` child for this class and status, bound on first use."""
+        child = self._answered.get((cls, status))
+        if child is None:
+            child = self._answered[(cls, status)] = self.requests.labels(cls, str(status))
+        return child
+
     def record(self, outcome: RequestOutcome) -> None:
-        cls = outcome.priority.value
+        m = self.for_class[outcome.priority]
         if outcome.ttft is not None:
-            self.ttft.labels(cls).observe(outcome.ttft)
-        itl = self.itl.labels(cls)
+            m.ttft.observe(outcome.ttft)
+        itl = m.itl
         for gap in outcome.itls:
             itl.observe(gap)
         if outcome.ttft is not None and outcome.output_tokens > 1:
-            self.tpot.labels(cls).observe((outcome.e2e - outcome.ttft) / (outcome.output_tokens - 1))
-        self.e2e.labels(cls).observe(outcome.e2e)
-        self.generation_tokens.labels(cls).inc(outcome.output_tokens)
+            m.tpot.observe((outcome.e2e - outcome.ttft) / (outcome.output_tokens - 1))
+        m.e2e.observe(outcome.e2e)
+        m.generation_tokens.inc(outcome.output_tokens)
         self.tracker.record(outcome)
         self.latency.record(outcome)
 

@@ -45,6 +45,7 @@ class OutputLength:
             given[field] = value
         if not given:
             ctx.body["max_tokens"] = self.policy.default_max_tokens
+            ctx.body_rewritten = True
             ctx.max_tokens = self.policy.default_max_tokens
         else:
             over = {f: v for f, v in given.items() if v > cap}
@@ -55,8 +56,9 @@ class OutputLength:
             for field in over:
                 ctx.body[field] = cap
             if over:
+                ctx.body_rewritten = True
                 ctx.clamped_from = max(over.values())
-                self.metrics.clamped.labels(ctx.priority.value).inc()
+                self.metrics.for_class[ctx.priority].clamped.inc()
             ctx.max_tokens = min(min(given.values()), cap)
         if self.policy.max_input_tokens is not None:
             n = await prompt_tokens(ctx, self.counter)

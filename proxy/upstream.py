@@ -25,6 +25,7 @@ _DROP_REQUEST_HEADERS = frozenset({
     b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
     b"accept-encoding", b"proxy-authorization",
 })
+_DROP_WITH_CONTENT_TYPE = _DROP_REQUEST_HEADERS | {b"content-type"}
 
 
 class _NoCookies(httpx.Cookies):
@@ -62,7 +63,7 @@ def make_client(*, max_connections: int) -> httpx.AsyncClient:
 
 def forward_headers(scope: Scope, *, content_type: bytes | None = None) -> list[tuple[bytes, bytes]]:
     """The client's request headers minus the per-hop ones; `content_type` replaces the client's."""
-    drop = _DROP_REQUEST_HEADERS if content_type is None else _DROP_REQUEST_HEADERS | {b"content-type"}
+    drop = _DROP_REQUEST_HEADERS if content_type is None else _DROP_WITH_CONTENT_TYPE
     headers = [(k, v) for k, v in scope["headers"] if k not in drop]
     # Identity encoding keeps the SSE bytes readable for the meter and free of re-compression.
     headers.append((b"accept-encoding", b"identity"))
@@ -71,9 +72,21 @@ def forward_headers(scope: Scope, *, content_type: bytes | None = None) -> list[
     return headers
 
 
-async def _open(client: httpx.AsyncClient, request: httpx.Request, metrics: ProxyMetrics) -> httpx.Response:
+async def _open(client: httpx.AsyncClient, request: httpx.Request, metrics: ProxyMetrics,
+                transport: httpx.AsyncBaseTransport | None = None) -> httpx.Response:
+    """Send `request`, mapping a failure before the response to 503.
+
+    With `transport` the client's send machinery (auth, redirects, cookies, event hooks) is skipped:
+    the proxy's client configures none of it, and those layers cost about half as much as the transport.
+    """
     try:
-        return await client.send(request, stream=True)
+        if transport is None:
+            return await client.send(request, stream=True)
+        if client.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        response = await transport.handle_async_request(request)
+        response.request = request
+        return response
     except httpx.HTTPError as exc:
         kind = "unreachable" if isinstance(exc, httpx.ConnectError) else "failed_before_response"
         metrics.upstream_errors.labels(kind).inc()
@@ -90,22 +103,28 @@ class Forwarder:
         self.client = client
         self.base = upstream_url.rstrip("/")
         self.metrics = metrics
-        self._urls: dict[str, httpx.URL] = {}
+        # Per completion route: the parsed URL and the transport the client would pick for it (a
+        # proxy mount from the environment included); parsing a URL costs more than the rest of a request.
+        self._routes: dict[str, tuple[httpx.URL, httpx.AsyncBaseTransport]] = {}
         self._timeout = client.timeout.as_dict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = get_context(scope)
         path: str = scope["path"]
-        url = self._urls.get(path)
-        if url is None:  # parsing a URL costs more than the rest of the request: once per completion route
-            url = self._urls[path] = httpx.URL(self.base + path)
+        route = self._routes.get(path)
+        if route is None:
+            url = httpx.URL(self.base + path)
+            route = self._routes[path] = (url, self.client._transport_for_url(url))
+        url, transport = route
+        # The client's own bytes when no policy changed the body: same JSON, no re-serialising.
+        content = json.dumps(ctx.body).encode() if ctx.body_rewritten else ctx.raw_body
         # Built directly, not by `client.build_request`: merging in the client's defaults (User-Agent,
         # Accept, keep-alive) adds nothing an HTTP/1.1 upstream needs and costs as much again.
-        request = httpx.Request("POST", url, content=json.dumps(ctx.body).encode(),
+        request = httpx.Request("POST", url, content=content,
                                 headers=forward_headers(scope, content_type=b"application/json"),
                                 extensions={"timeout": self._timeout})
         started = time.perf_counter()
-        response = await _open(self.client, request, self.metrics)
+        response = await _open(self.client, request, self.metrics, transport)
         meter = SseMeter()
         try:
             result = await relay(response, receive=receive, send=send, meter=meter,

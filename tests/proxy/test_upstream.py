@@ -124,3 +124,25 @@ async def test_the_upstream_client_keeps_no_cookies() -> None:
         assert "session=alice" in (await client.get(url + "/set")).headers["set-cookie"]
         # One user's cookie must not ride along on the next user's request.
         assert (await client.get(url + "/show")).json() == {"cookie": None}
+
+
+async def test_an_unchanged_body_is_forwarded_byte_for_byte_and_a_rewritten_one_as_json(proxy: Any) -> None:
+    seen: list[bytes] = []
+
+    async def completions(request: Request) -> Response:
+        seen.append(await request.body())
+        return JSONResponse({"usage": {"completion_tokens": 1}})
+
+    upstream = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    # Spacing, key order and a non-ASCII character that json.dumps would have escaped.
+    original = '{ "prompt" : "h\u00e9",  "model":"m", "max_tokens": 3 }'.encode()
+    policy = {"outputLength": {"maxOutputTokens": 8, "defaultMaxTokens": 4}}
+    async with serve_loopback(upstream) as url, proxy(policy, url) as (_, client):
+        headers = {"content-type": "application/json"}
+        untouched = await client.post("/v1/completions", content=original, headers=headers)
+        clamped = await client.post("/v1/completions", content=original.replace(b"3", b"30"), headers=headers)
+        defaulted = await client.post("/v1/completions", content=b'{"model": "m", "prompt": "x"}', headers=headers)
+    assert untouched.status_code == clamped.status_code == defaulted.status_code == 200
+    assert seen[0] == original
+    assert json.loads(seen[1]) == {"prompt": "h\u00e9", "model": "m", "max_tokens": 8}
+    assert json.loads(seen[2]) == {"model": "m", "prompt": "x", "max_tokens": 4}
