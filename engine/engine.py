@@ -42,15 +42,15 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        if self.device.type == "cpu" and config.pack_cpu_weights:
-            for weights_owner in (model, draft):
-                if weights_owner is not None:
-                    weights_owner.pack_weights_for_cpu()
         num_blocks = self._num_blocks()
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, less than one sequence of "
                 f"max_model_len={self.max_model_len}; raise kv_cache_gib or lower max_model_len")
+        if self.device.type == "cpu" and config.pack_cpu_weights:
+            for weights_owner in (model, draft):
+                if weights_owner is not None:
+                    weights_owner.pack_weights_for_cpu()
         self.kv = KVCacheManager(num_blocks=num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
