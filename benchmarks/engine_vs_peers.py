@@ -96,15 +96,16 @@ def engine_batched(engine: Engine, prompt: str, concurrency: int, new_tokens: in
 def weight_streaming_cap(engine: Engine, repeats: int = 10) -> float:
     """Tokens/s if a decode step did nothing but one matrix-vector product per weight matrix: the
     memory-bandwidth ceiling for single-stream fp32 decode on this machine, measured, not assumed."""
-    matrices = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in matrices}
+    # The engine's own projections (oneDNN-packed on CPU), one row each: the same kernels decode uses.
+    layers = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(1, m.in_features) for m in layers}
     with torch.inference_mode():
-        for w in matrices:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        for m in layers:
+            m(inputs[m.in_features])
         start = time.perf_counter()
         for _ in range(repeats):
-            for w in matrices:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            for m in layers:
+                m(inputs[m.in_features])
     return repeats / (time.perf_counter() - start)
 
 
