@@ -12,50 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import statistics
 import threading
 import time
-import uuid
-from typing import Any
 
-import kmock
 import kopf
-from kmock import KubernetesEmulator, ResourceInfo, Server, action, resource
+from kmock import Server, resource
 
+from decodeservice.bench.kube_emulator import DEPLOYMENTS, ApiServer, declare_resources
 from decodeservice.operator.handlers import OperatorConfig, build_registry
 
-VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 TARGET_MS = 1000.0
-
-
-class _Emulator(KubernetesEmulator):
-    # What kmock leaves to the API server: uid and generation on create (owner references need the uid),
-    # a fresh resourceVersion on every write (kopf's JSON patches test it).
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        self._versions = itertools.count(1)
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            if request.action == action.CREATE:
-                meta.setdefault("uid", str(uuid.uuid4()))
-                meta.setdefault("generation", 1)
-            meta["resourceVersion"] = str(next(self._versions))
-        return await super()._handle(request)
-
-
-def _declare(server: KubernetesEmulator) -> None:
-    server.resources["decode.dev/v1alpha1/decodeservices"] = ResourceInfo(
-        kind="DecodeService", namespaced=True, verbs=VERBS, subresources={"status"})
-    for res, kind in (("apps/v1/deployments", "Deployment"), ("v1/services", "Service"),
-                      ("v1/configmaps", "ConfigMap"), ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget")):
-        server.resources[res] = ResourceInfo(kind=kind, namespaced=True, verbs=VERBS)
-    server.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
-    server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
 
 
 def _settings() -> kopf.OperatorSettings:
@@ -68,8 +36,8 @@ def _settings() -> kopf.OperatorSettings:
 
 async def measure(count: int) -> list[float]:
     latencies: list[float] = []
-    async with _Emulator() as server, Server(server) as http:
-        _declare(server)
+    async with ApiServer() as server, Server(server) as http:
+        declare_resources(server)
         config = OperatorConfig(resync_seconds=3600, connection=kopf.ConnectionInfo(server=str(http.url), insecure=True))
         stop, ready = threading.Event(), threading.Event()
         thread = threading.Thread(target=lambda: asyncio.run(kopf.operator(
@@ -79,7 +47,7 @@ async def measure(count: int) -> list[float]:
         try:
             if not await asyncio.to_thread(ready.wait, 30):
                 raise RuntimeError("kopf did not start")
-            deployments = resource("apps/v1/deployments")
+            deployments = resource(DEPLOYMENTS)
             for i in range(count):
                 name = f"bench-{i}"
                 body = {"apiVersion": "decode.dev/v1alpha1", "kind": "DecodeService",

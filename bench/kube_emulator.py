@@ -1,0 +1,92 @@
+"""An in-process Kubernetes API server for the operator's tests and benchmarks: kmock's emulator plus
+what a real API server adds.
+
+kmock stores objects exactly as posted. A real API server also assigns uid and resourceVersion on
+create, sets generation to 1 and bumps it on every spec change; `ApiServer` adds exactly that, so the
+operator's observedGeneration and owner references are exercised as they would be on a cluster.
+Needs kmock (the `test` extra); nothing in the product imports this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import kmock
+from kmock import KubernetesEmulator, KubernetesError, ResourceInfo, action, resource
+
+DS = "decode.dev/v1alpha1/decodeservices"
+DEPLOYMENTS = "apps/v1/deployments"
+SERVICES = "v1/services"
+CONFIGMAPS = "v1/configmaps"
+PDBS = "policy/v1/poddisruptionbudgets"
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """RFC 7386 merge patch, as the API server applies `application/merge-patch+json`."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    result = dict(base) if isinstance(base, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge(result.get(key), value)
+    return result
+
+
+class ApiServer(KubernetesEmulator):
+    """KubernetesEmulator plus the metadata a real API server maintains (uid, generation, resourceVersion)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._versions = itertools.count(1)
+        self._rejections: list[tuple[action, kmock.resource, int]] = []
+
+    def reject_next(self, verb: action, res: str, status: int) -> None:
+        """Answer the next such request with `status` before anything is written (kmock's own reactions
+        answer after the emulator stored the write, which models a lost response instead)."""
+        self._rejections.append((verb, resource(res), status))
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        for rejection in self._rejections:
+            verb, res, status = rejection
+            if request.action == verb and request.resource == res and request.subresource is None:
+                self._rejections.remove(rejection)
+                raise KubernetesError(status=status, reason="Injected", message=f"injected {status}")
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            if request.action == action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("generation", 1)
+                meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                if request.namespace and "namespace" not in meta:
+                    meta["namespace"] = request.namespace
+            elif request.action == action.UPDATE and request.name is not None:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and not self.objects[key].deleted:
+                    live = self.objects[key].raw
+                    new_spec = merge(live.get("spec"), data["spec"]) if "spec" in data else live.get("spec")
+                    if request.subresource is None and new_spec != live.get("spec"):
+                        meta["generation"] = int(live.get("metadata", {}).get("generation", 1)) + 1
+            meta["resourceVersion"] = str(next(self._versions))
+        return await super()._handle(request)
+
+
+def declare_resources(server: KubernetesEmulator) -> None:
+    server.resources[DS] = ResourceInfo(kind="DecodeService", singular="decodeservice", namespaced=True,
+                                        verbs=VERBS, shortnames={"dsvc"}, subresources={"status", "scale"})
+    server.resources[DEPLOYMENTS] = ResourceInfo(kind="Deployment", namespaced=True, verbs=VERBS,
+                                                 subresources={"status"})
+    server.resources[SERVICES] = ResourceInfo(kind="Service", namespaced=True, verbs=VERBS)
+    server.resources[CONFIGMAPS] = ResourceInfo(kind="ConfigMap", namespaced=True, verbs=VERBS)
+    server.resources[PDBS] = ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
+    server.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
+    server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
