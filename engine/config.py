@@ -109,7 +109,8 @@ class EngineConfig:
     quantization: Literal["none", "int8"] = "none"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
-    # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False keeps F.linear.
+    # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
+    # it is given (an engine cannot unpack a model another engine already packed).
     pack_cpu_weights: bool = True
 
     def __post_init__(self) -> None:
