@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -33,12 +34,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvloop
 
+from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.bench.procs import ChildServer, decodectl, free_port
 from decodeservice.proxy.streaming import SseMeter
 from decodeservice.proxy.transport import UpstreamTransport
@@ -78,16 +81,6 @@ def _child(name: str, argv: list[str], port: int, logs: Path, cpus: set[int] | N
         yield child
     finally:
         child.stop()
-
-
-@contextlib.contextmanager
-def fake_engine(*, ttft_ms: float, itl_ms: float, tokens: int, logs: Path,
-                cpus: set[int] | None = None) -> Iterator[ChildServer]:
-    port = free_port()
-    argv = [sys.executable, "-P", "-m", "decodeservice.bench.fake_engine", "--port", str(port),
-            "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--tokens", str(tokens)]
-    with _child("fake-engine", argv, port, logs, cpus) as child:
-        yield child
 
 
 @contextlib.contextmanager
@@ -208,8 +201,14 @@ def _pinning(requested: bool | None) -> tuple[set[int], set[int]] | None:
 
 async def _measured(url: str, pids: dict[str, int], **load: Any) -> dict[str, Any]:
     """One load run, plus the CPU seconds each process spent during it."""
+    # The load generator's own garbage collections would land inside some rounds and not others.
+    gc.collect()
+    gc.disable()
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    result = await run_load(url, **load)
+    try:
+        result = await run_load(url, **load)
+    finally:
+        gc.enable()
     result["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     return result
 
@@ -239,38 +238,75 @@ def _cpu_per_1k(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {name: 1000.0 * sum(r["cpu_s"][name] for r in rows) / tokens for name in rows[0]["cpu_s"]}
 
 
+@contextlib.asynccontextmanager
+async def _proxy_child(upstream: str, policy_yaml: str, *, logs: Path, cpus: set[int] | None,
+                       ) -> AsyncIterator[ChildServer]:
+    """`decodectl proxy` as a subprocess, from inside a running loop."""
+    port = free_port()
+    policy = logs / f"policy-{port}.yaml"
+    policy.write_text(policy_yaml)
+    argv = decodectl("proxy", "--upstream", upstream, "--port", str(port), "--policy", str(policy),
+                     "--log-level", "warning")
+    child = ChildServer(name="proxy", argv=argv, url=f"http://127.0.0.1:{port}", log_path=logs / "proxy.log")
+    try:
+        with _spawned_on(cpus):
+            child.start()
+        await child.wait_ready(timeout_s=60.0, path="/health")
+        yield child
+    finally:
+        child.stop()
+
+
+async def _overhead_rounds(args: argparse.Namespace, load: dict[str, Any], pins: tuple[set[int], set[int]] | None,
+                           logs: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # The fake engine is served by uvicorn in this very loop. As two processes sharing one core, the
+    # client and the engine were interleaved by the OS scheduler differently every round, and a
+    # round's p50 TTFT moved by +-10 ms: ten times the effect to be measured. In one loop the order
+    # of work is the same in every round, direct and proxied alike.
+    engine = FakeEngine(ttft_s=args.ttft_ms / 1000.0, itl_s=args.itl_ms / 1000.0, default_tokens=args.tokens)
+    async with serve_loopback(engine.app()) as engine_url:
+        engine.url = engine_url
+        async with _proxy_child(engine_url, OVERHEAD_POLICY, logs=logs,
+                                cpus=None if pins is None else pins[1]) as prox:
+            assert prox.pid is not None
+            pids = {"client_and_engine": os.getpid(), "proxy": prox.pid}
+            return await _alternate(engine_url, prox.url, pids, args.rounds, **load)
+
+
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     body = {"model": "fake-model", "prompt": "hello", "max_tokens": args.tokens, "stream": True}
     n = args.concurrency
     load = {"concurrency": n, "requests": n, "body": body}
     pins = _pinning(args.pin)
-    client_cpus, proxy_cpus = pins if pins is not None else (None, None)
-    with tempfile.TemporaryDirectory() as tmp, \
-            fake_engine(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, tokens=args.tokens, logs=Path(tmp),
-                        cpus=client_cpus) as engine, \
-            proxy(engine.url, OVERHEAD_POLICY, logs=Path(tmp), cpus=proxy_cpus) as prox:
-        assert engine.pid is not None and prox.pid is not None
-        if client_cpus is not None:
-            os.sched_setaffinity(0, client_cpus)
-        pids = {"client": os.getpid(), "engine": engine.pid, "proxy": prox.pid}
-        direct, proxied = asyncio.run(_alternate(engine.url, prox.url, pids, args.rounds, **load))
+    with tempfile.TemporaryDirectory() as tmp:
+        if pins is not None:
+            os.sched_setaffinity(0, pins[0])  # before the loop starts: uvicorn's threads inherit it
+            # the proxy child is started with the other CPU (see _spawned_on)
+        direct, proxied = uvloop.run(_overhead_rounds(args, load, pins, Path(tmp)))
 
     def med(rows: list[dict[str, Any]], key: str) -> float:
         return float(statistics.median(r[key] for r in rows))
 
     d_ttft, p_ttft = med(direct, "ttft_p50_ms"), med(proxied, "ttft_p50_ms")
     d_tps, p_tps = med(direct, "output_tokens_per_s"), med(proxied, "output_tokens_per_s")
+    paired = sorted(p["ttft_p50_ms"] - d["ttft_p50_ms"] for d, p in zip(direct, proxied, strict=True))
+    busy = sum(r["cpu_s"]["client_and_engine"] for r in direct) / sum(r["wall_s"] for r in direct)
     return {
         "mode": "overhead",
         "config": {"concurrency": n, "tokens": args.tokens, "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
-                   "rounds": args.rounds, "uvloop": importlib.util.find_spec("uvloop") is not None,
-                   "httptools": importlib.util.find_spec("httptools") is not None},
+                   "rounds": args.rounds, "engine": "fake engine in the load generator's loop (uvloop)",
+                   "uvloop": True, "httptools": importlib.util.find_spec("httptools") is not None},
         "pinning": None if pins is None else {"client_and_engine_cpus": sorted(pins[0]),
                                               "proxy_cpus": sorted(pins[1])},
         "direct": {"ttft_p50_ms": d_ttft, "output_tokens_per_s": d_tps},
         "proxy": {"ttft_p50_ms": p_ttft, "output_tokens_per_s": p_tps},
         "added_ttft_p50_ms": p_ttft - d_ttft,
+        # Each proxied round minus the direct round before it: its median and quartiles show the noise.
+        "added_ttft_p50_ms_paired": {"median": statistics.median(paired),
+                                     "q1": paired[len(paired) // 4], "q3": paired[(3 * len(paired)) // 4]},
         "throughput_loss_pct": 100.0 * (d_tps - p_tps) / d_tps,
+        # Above ~0.8 the load generator itself queues requests, and TTFT measures that queue too.
+        "load_generator_cpu_busy": busy,
         "cpu_s_per_1k_output_tokens": {"direct": _cpu_per_1k(direct), "proxy": _cpu_per_1k(proxied)},
         "targets": {"added_ttft_p50_ms": "< 1", "throughput_loss_pct": "< 2"},
         "rounds": {"direct": direct, "proxy": proxied},
@@ -306,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
-    parser.add_argument("--rounds", type=int, default=7,
+    parser.add_argument("--rounds", type=int, default=25,
                         help="overhead mode: alternating rounds (a round's p50 TTFT varies by tens of ms on a busy box)")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="overhead mode: fake engine TTFT")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="overhead mode: fake engine ITL")

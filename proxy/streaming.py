@@ -76,9 +76,21 @@ class RelayResult:
 
 
 def response_headers(response: httpx.Response, extra: list[tuple[bytes, bytes]] | None = None,
-                     ) -> list[tuple[bytes, bytes]]:
-    headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
-    return headers + (extra or [])
+                     ) -> tuple[list[tuple[bytes, bytes]], bool]:
+    """The headers to relay (per-hop ones dropped, `extra` added), and whether the body is SSE.
+
+    One pass over the raw list: an httpx `Headers` lookup decodes every header each time.
+    """
+    headers = []
+    is_sse = False
+    for key, value in response.headers.raw:
+        key = key.lower()
+        if key in HOP_BY_HOP:
+            continue
+        if key == b"content-type":
+            is_sse = is_sse or value.startswith(b"text/event-stream")
+        headers.append((key, value))
+    return headers + (extra or []), is_sse
 
 
 async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter: SseMeter | None,
@@ -89,8 +101,7 @@ async def relay(response: httpx.Response, *, receive: Receive, send: Send, meter
     call per chunk. What a policy adds to the answer travels in `extra_headers` instead.
     """
     result = RelayResult(status=response.status_code)
-    result.is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
-    headers = response_headers(response, extra_headers)
+    headers, result.is_sse = response_headers(response, extra_headers)
     # The pump runs in this task; only the disconnect watcher gets its own, and cancels this one when
     # the client leaves. (A task per side plus asyncio.wait cost about 5 % of the proxy's time per request.)
     this = asyncio.current_task()

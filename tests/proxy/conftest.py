@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
 import pytest
+import uvloop
 from starlette.applications import Starlette
 
 from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.proxy.app import create_app
 from decodeservice.proxy.policy import Policy
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item,
+                                  ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The transport's tests run on both loops: its protocol callbacks are driven by the loop, and
+    `decodectl proxy` runs on uvloop, whose transports differ from asyncio's in detail."""
+    if item.path.name == "test_upstream_transport.py":
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture

@@ -1,4 +1,7 @@
-"""The upstream transport against real loopback servers: reuse, failures, cancellation, timeouts."""
+"""The upstream transport against real loopback servers: reuse, failures, cancellation, timeouts.
+
+Each test runs on asyncio's loop and on uvloop (see conftest.py), since `decodectl proxy` runs on uvloop.
+"""
 
 from __future__ import annotations
 
@@ -192,3 +195,81 @@ async def test_a_protocol_switch_is_refused_not_waited_on() -> None:
     async with raw_server(switch) as (url, _), client_for() as (client, _):
         with pytest.raises(httpx.RemoteProtocolError):
             await client.get(url + "/", headers={"upgrade": "websocket", "connection": "upgrade"})
+
+
+async def test_a_head_response_ends_at_its_headers() -> None:
+    async def head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")  # the length a GET would have
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(head) as (url, _), client_for() as (client, transport):
+        r = await asyncio.wait_for(client.head(url + "/"), timeout=2.0)
+        assert (r.status_code, r.content, r.headers["content-length"]) == (200, b"", "1000")
+        assert transport.idle_connections() == 0  # the parser still expects that body: never reused
+
+
+async def test_a_body_without_length_runs_until_the_server_closes() -> None:
+    async def http10(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nhello ")
+        await writer.drain()
+        writer.write(b"world")
+
+    async with raw_server(http10) as (url, _), client_for() as (client, transport):
+        r = await client.get(url + "/")
+        assert (r.text, r.http_version) == ("hello world", "HTTP/1.0")
+        assert transport.idle_connections() == 0
+
+
+async def test_a_malformed_response_is_a_protocol_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nbroken header line\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(garbage) as (url, _), client_for() as (client, _):
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.get(url + "/")
+
+
+async def test_header_injection_is_refused_before_anything_is_sent() -> None:
+    received = bytearray()
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.extend(await reader.read())
+
+    async with raw_server(record) as (url, accepted), client_for() as (client, transport):
+        with pytest.raises(httpx.LocalProtocolError):
+            await client.get(url + "/", headers={"x-a": "b\r\nx-injected: 1"})
+        with pytest.raises(httpx.LocalProtocolError):
+            await client.get(url + "/", headers={"x-a: b": "c"})
+        assert transport.idle_connections() == 0
+    assert received == b""  # connections were opened (and dropped) but no byte was sent
+
+
+async def test_a_slow_reader_pauses_the_upstream_and_loses_nothing() -> None:
+    size = 32 * 1024 * 1024  # well beyond what loopback socket buffers hold
+    wrote_all = asyncio.Event()
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        block = bytes(range(256)) * 4096  # 1 MiB
+        for _ in range(size // len(block)):
+            writer.write(block)
+            await writer.drain()
+        wrote_all.set()
+
+    async with raw_server(big) as (url, _), client_for() as (client, _):
+        async with client.stream("GET", url + "/") as r:
+            chunks = r.aiter_raw()
+            body = bytearray(await anext(chunks))
+            await asyncio.sleep(0.3)
+            assert not wrote_all.is_set()  # the transport stopped reading, so the server is held back
+            async for chunk in chunks:
+                body += chunk
+        assert body == bytes(range(256)) * 4096 * 32
+        assert wrote_all.is_set()
