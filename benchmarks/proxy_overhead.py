@@ -1,12 +1,15 @@
 """Proxy overhead and batching-window sweep.
 
-Overhead mode (default): starts the fake engine (`decodeservice.bench.fake_engine`) and `decodectl proxy`
-as subprocesses on loopback, then runs `--concurrency` concurrent streams directly against the engine and
-through the proxy, alternating for `--rounds` rounds. Reports the added p50 TTFT (target < 1 ms) and the
-output tokens/s lost (target < 2 %). With at least 2 usable CPUs (or `--pin`), the client and the
-fake engine share one core and the proxy gets another, in the direct and the proxied run alike: the
-proxy is a sidecar with its own CPU in production. Each process's CPU seconds per 1000 output tokens
-(from /proc) is reported too; the proxy's is its machine-independent cost.
+Overhead mode (default): serves the fake engine (`decodeservice.bench.fake_engine`) with uvicorn in the
+load generator's own event loop and starts `decodectl proxy` as a subprocess, both on loopback, then
+runs `--concurrency` concurrent streams directly against the engine and through the proxy, alternating
+for `--rounds` paired rounds. Reports the added p50 TTFT (target < 1 ms), also as the median and
+quartiles of the per-round differences, and the output tokens/s lost (target < 2 %). With at least 2
+usable CPUs (or `--pin`), the load generator and the engine share one core and the proxy gets another,
+in the direct and the proxied run alike: the proxy is a sidecar with its own CPU in production. Each
+process's CPU seconds per 1000 output tokens (from /proc) is reported too; the proxy's is its
+machine-independent cost. The load generator's garbage collector is off during a round (its pauses
+moved a round's p50 by tens of ms); the proxy's is left alone.
 
 Sweep mode (`--engine-url URL`): for each batching window (default 0, 5, 20, 50 ms) starts a proxy in
 front of that engine with the window on the `batch` class, sends `batch` streams, and reports throughput
@@ -343,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
     parser.add_argument("--rounds", type=int, default=25,
-                        help="overhead mode: alternating rounds (a round's p50 TTFT varies by tens of ms on a busy box)")
+                        help="overhead mode: paired rounds (a round's p50 TTFT still varies by a few ms)")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="overhead mode: fake engine TTFT")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="overhead mode: fake engine ITL")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
