@@ -32,12 +32,18 @@ async def test_reported_figures_match_the_truth(fake_server: Callable[..., str],
     s = summarize(records, label="x")
     e2e = TTFT + (TOKENS - 1) * ITL
     assert s.completed == 4 and s.total_output_tokens == 4 * TOKENS
-    for dist, truth in ((s.ttft, TTFT), (s.itl, ITL), (s.tpot, ITL), (s.e2e, e2e)):
+    for dist, truth in ((s.ttft, TTFT), (s.itl, ITL), (s.tpot, ITL)):
         assert dist.p50 == pytest.approx(truth * 1000, rel=0.10)
+    # The server keeps to absolute deadlines, so a busy machine can only make a stream end later, never
+    # sooner. The end-to-end figures sum every step, and CI once saw all of a fresh server's streams
+    # end ~150 ms late (1396 vs 1250 ms) while TTFT and ITL stayed within 10 %: the bound is tight
+    # below and looser above. A clock started at the first token (450 ms) or counting TTFT twice
+    # (2050 ms) still fails.
+    assert s.e2e.p50 is not None and 0.95 * e2e * 1000 <= s.e2e.p50 <= 1.2 * e2e * 1000
     # Two waves of `concurrency` requests each, back to back.
     truth_tok_s = concurrency * TOKENS / e2e
-    assert s.output_throughput == pytest.approx(truth_tok_s, rel=0.10)
-    assert s.request_throughput == pytest.approx(concurrency / e2e, rel=0.10)
+    assert truth_tok_s / 1.2 <= s.output_throughput <= truth_tok_s * 1.05
+    assert concurrency / e2e / 1.2 <= s.request_throughput <= concurrency / e2e * 1.05
 
 
 async def test_tokens_come_from_usage_not_chunks(fake_server: Callable[..., str]) -> None:
