@@ -22,7 +22,7 @@ from decodeservice.engine import (
 from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
 from decodeservice.engine.loader.registry import resolve_model_path
 from decodeservice.engine.model import LlamaModel
-from decodeservice.engine.spec_decode.decoder import draft_length
+from decodeservice.engine.spec_decode.decoder import DraftingState, draft_length
 from decodeservice.engine.spec_decode.proposers import DraftModelProposer, ngram_lookup
 from decodeservice.engine.tokenizer import Tokenizer
 
@@ -195,6 +195,22 @@ def test_off_switch_and_adaptive_k(target: LlamaModel, tokenizer: Tokenizer) -> 
             assert stats.num_drafts < (steps - 1) / 2  # drafts that keep failing pause, then probe
         else:
             assert set(seen_k) == {4} and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_new_request_starts_from_the_workloads_acceptance(target: LlamaModel, tokenizer: Tokenizer) -> None:
+    # Before any verification: the fixed prior of 2/3. After: the engine's recent acceptance.
+    assert DraftingState.starting_from(None).acceptance == pytest.approx(2 / 3)
+    for draft, first_k in ((tiny_model(5, std=8.0), 1), (target, 4)):
+        engine = make_engine(target, tokenizer, {"method": "draft", "draft_model": "x", "num_tokens": 4},
+                             draft=draft)
+        engine.generate([PROMPTS[1]], GREEDY)  # the workload so far: drafts that fail, or that all land
+        engine.add_request(PROMPTS[2], GREEDY)
+        seen_k: list[int] = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            seen_k += [s.spec_num_tokens for s in engine.scheduler.running if s.spec_num_tokens]
+        # Failing drafts: the newcomer pauses first, then probes with one draft instead of opening with 4.
+        assert seen_k[0] == first_k
 
 
 def test_draft_length_weighs_acceptance_against_batch_cost() -> None:
