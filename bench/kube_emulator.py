@@ -18,6 +18,7 @@ from typing import Any
 
 import kmock
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo, action, resource
+from kmock._internal import parsing as _kmock_parsing
 
 DS = "decode.dev/v1alpha1/decodeservices"
 DEPLOYMENTS = "apps/v1/deployments"
@@ -38,6 +39,25 @@ def merge(base: Any, patch: Any) -> Any:
         else:
             result[key] = merge(result.get(key), value)
     return result
+
+
+_kmock_parse_path = _kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> _kmock_parsing.ParsedPath:
+    """kmock's path parser, except that it reads `/api/v1/namespaces[/NAME]` as the Namespace resource.
+
+    kmock takes the `namespaces/` prefix for a namespaced path and fails on these two paths, which a
+    namespaced kopf operator lists, watches and fetches; a real API server serves them.
+    """
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        return _kmock_parsing.ParsedPath(group="", version="v1", plural="namespaces",
+                                         name=parts[3] if len(parts) == 4 else None)
+    return _kmock_parse_path(path)
+
+
+_kmock_parsing.parse_path = _parse_path
 
 
 class ApiServer(KubernetesEmulator):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,8 +80,11 @@ async def cluster() -> AsyncIterator[Cluster]:
         yield Cluster(server=server, url=str(http.url).rstrip("/"))
 
 
-async def run_operator(cluster: Cluster, *, resync_seconds: float = 0.3) -> AsyncIterator[None]:
-    """Run kopf in its own thread and loop: at exit kopf cancels every other task of its loop."""
+async def run_operator(cluster: Cluster, *, resync_seconds: float = 0.3,
+                       namespaces: Sequence[str] = ()) -> AsyncIterator[None]:
+    """Run kopf in its own thread and loop: at exit kopf cancels every other task of its loop.
+
+    With `namespaces` it watches only those (names or globs), as `decodectl operator -n NS` does."""
     config = OperatorConfig(resync_seconds=resync_seconds, retry_base_seconds=0.05, retry_max_seconds=0.2,
                             request_timeout_seconds=5,
                             connection=kopf.ConnectionInfo(server=cluster.url, insecure=True))
@@ -90,7 +93,8 @@ async def run_operator(cluster: Cluster, *, resync_seconds: float = 0.3) -> Asyn
 
     def main() -> None:
         try:
-            asyncio.run(kopf.operator(registry=build_registry(config), settings=fast_settings(), clusterwide=True,
+            asyncio.run(kopf.operator(registry=build_registry(config), settings=fast_settings(),
+                                      clusterwide=not namespaces, namespaces=list(namespaces),
                                       standalone=True, stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported to the test below, never swallowed
             errors.append(exc)

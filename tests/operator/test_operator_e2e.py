@@ -174,3 +174,24 @@ async def test_rejected_writes_are_retried_without_duplicates(cluster: Cluster, 
         assert len(list(cluster.server[action.UPDATE, resource(DEPLOYMENTS)])) >= 2
         assert cluster.names(DEPLOYMENTS) == ["smoke"]
         assert cluster.names(SERVICES) == ["smoke"]
+
+
+@pytest.mark.parametrize("watched", ["team-a", "team-*"])
+async def test_a_namespaced_operator_leaves_other_namespaces_alone(cluster: Cluster, watched: str) -> None:
+    for namespace in ("team-a", "other"):  # a glob is matched against the namespaces kopf lists
+        # Stored directly: kmock fails to parse a POST to the cluster-scoped /api/v1/namespaces.
+        cluster.server.objects["v1/namespaces", None, namespace] = {
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": namespace, "uid": namespace, "resourceVersion": "1"}}
+    await cluster.create(smoke(), namespace="other")  # first, so an operator watching it would see it first
+    await cluster.create(smoke(), namespace="team-a")
+    async for _ in run_operator(cluster, namespaces=[watched]):
+        await cluster.wait_for(lambda: cluster.get(SERVICES, "smoke", "team-a"), what="team-a Service")
+        # One more full cycle in team-a (the resync timer repairs a deleted child): by then an operator
+        # that watched `other` would have handled the object created there before.
+        await cluster.delete("/api/v1/namespaces/team-a/services/smoke")
+        await cluster.wait_for(lambda: cluster.get(SERVICES, "smoke", "team-a"), what="team-a Service recreated")
+        assert cluster.get(DEPLOYMENTS, "smoke", "team-a") is not None
+        assert cluster.get(DEPLOYMENTS, "smoke", "other") is None
+        assert cluster.get(SERVICES, "smoke", "other") is None
+        assert "status" not in (cluster.get(DS, "smoke", "other") or {})
