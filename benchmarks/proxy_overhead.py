@@ -74,27 +74,23 @@ def _spawned_on(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, mine)
 
 
-@contextlib.contextmanager
-def _child(name: str, argv: list[str], port: int, logs: Path, cpus: set[int] | None = None) -> Iterator[ChildServer]:
-    child = ChildServer(name=name, argv=argv, url=f"http://127.0.0.1:{port}", log_path=logs / f"{name}.log")
-    try:
-        with _spawned_on(cpus):
-            child.start()
-        asyncio.run(child.wait_ready(timeout_s=60.0, path="/health"))
-        yield child
-    finally:
-        child.stop()
-
-
-@contextlib.contextmanager
-def proxy(upstream: str, policy_yaml: str, *, logs: Path, cpus: set[int] | None = None) -> Iterator[ChildServer]:
+@contextlib.asynccontextmanager
+async def proxy(upstream: str, policy_yaml: str, *, logs: Path, cpus: set[int] | None = None,
+                ) -> AsyncIterator[ChildServer]:
+    """`decodectl proxy` as a subprocess on `cpus`, ready (GET /health) when entered."""
     port = free_port()
     policy = logs / f"policy-{port}.yaml"
     policy.write_text(policy_yaml)
     argv = decodectl("proxy", "--upstream", upstream, "--port", str(port), "--policy", str(policy),
                      "--log-level", "warning")
-    with _child("proxy", argv, port, logs, cpus) as child:
+    child = ChildServer(name="proxy", argv=argv, url=f"http://127.0.0.1:{port}", log_path=logs / "proxy.log")
+    try:
+        with _spawned_on(cpus):
+            child.start()
+        await child.wait_ready(timeout_s=60.0, path="/health")
         yield child
+    finally:
+        child.stop()
 
 
 async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
@@ -241,25 +237,6 @@ def _cpu_per_1k(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {name: 1000.0 * sum(r["cpu_s"][name] for r in rows) / tokens for name in rows[0]["cpu_s"]}
 
 
-@contextlib.asynccontextmanager
-async def _proxy_child(upstream: str, policy_yaml: str, *, logs: Path, cpus: set[int] | None,
-                       ) -> AsyncIterator[ChildServer]:
-    """`decodectl proxy` as a subprocess, from inside a running loop."""
-    port = free_port()
-    policy = logs / f"policy-{port}.yaml"
-    policy.write_text(policy_yaml)
-    argv = decodectl("proxy", "--upstream", upstream, "--port", str(port), "--policy", str(policy),
-                     "--log-level", "warning")
-    child = ChildServer(name="proxy", argv=argv, url=f"http://127.0.0.1:{port}", log_path=logs / "proxy.log")
-    try:
-        with _spawned_on(cpus):
-            child.start()
-        await child.wait_ready(timeout_s=60.0, path="/health")
-        yield child
-    finally:
-        child.stop()
-
-
 async def _overhead_rounds(args: argparse.Namespace, load: dict[str, Any], pins: tuple[set[int], set[int]] | None,
                            logs: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     # The fake engine is served by uvicorn in this very loop. As two processes sharing one core, the
@@ -269,8 +246,7 @@ async def _overhead_rounds(args: argparse.Namespace, load: dict[str, Any], pins:
     engine = FakeEngine(ttft_s=args.ttft_ms / 1000.0, itl_s=args.itl_ms / 1000.0, default_tokens=args.tokens)
     async with serve_loopback(engine.app()) as engine_url:
         engine.url = engine_url
-        async with _proxy_child(engine_url, OVERHEAD_POLICY, logs=logs,
-                                cpus=None if pins is None else pins[1]) as prox:
+        async with proxy(engine_url, OVERHEAD_POLICY, logs=logs, cpus=None if pins is None else pins[1]) as prox:
             assert prox.pid is not None
             pids = {"client_and_engine": os.getpid(), "proxy": prox.pid}
             return await _alternate(engine_url, prox.url, pids, args.rounds, **load)
@@ -316,6 +292,16 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _sweep_window(args: argparse.Namespace, engine_url: str, policy: str, logs: Path, body: dict[str, Any],
+                        headers: dict[str, str]) -> dict[str, Any]:
+    async with proxy(engine_url, policy, logs=logs) as prox:
+        if args.rate:
+            return await run_poisson(prox.url, rate=args.rate, requests=args.requests, seed=args.seed,
+                                     body=body, headers=headers)
+        return await run_load(prox.url, concurrency=args.concurrency, requests=args.requests,
+                              body=body, headers=headers)
+
+
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     engine_url = args.engine_url.rstrip("/")
     model = args.model or httpx.get(engine_url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -325,13 +311,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         policy = (f"admission: {{maxInflight: {max(64, args.concurrency)}}}\n"
                   f"classes:\n  batch: {{batchWindowMs: {window}, maxBatch: {args.max_batch}, maxQueue: 4096}}\n")
         headers = {"x-priority": "batch"}
-        with tempfile.TemporaryDirectory() as tmp, proxy(engine_url, policy, logs=Path(tmp)) as prox:
-            if args.rate:
-                result = asyncio.run(run_poisson(prox.url, rate=args.rate, requests=args.requests, seed=args.seed,
-                                                 body=body, headers=headers))
-            else:
-                result = asyncio.run(run_load(prox.url, concurrency=args.concurrency, requests=args.requests,
-                                              body=body, headers=headers))
+        with tempfile.TemporaryDirectory() as tmp:
+            result = asyncio.run(_sweep_window(args, engine_url, policy, Path(tmp), body, headers))
         rows.append({"batch_window_ms": window, **result})
     return {"mode": "window_sweep", "engine_url": engine_url, "model": model,
             "config": {"arrivals": f"poisson {args.rate}/s seed {args.seed}" if args.rate
