@@ -39,15 +39,14 @@ SampledVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, tor
 
 MAX_COOLDOWN = 32  # the longest pause, in steps, before a request whose drafts fail probes again
 ACCEPTANCE_DECAY = 0.7  # weight of the past in a request's acceptance estimate, per verification
-# Before the engine has verified anything, a new request starts at an acceptance of 2/3: enough to draft
-# a few tokens and learn from them.
-PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0
-# After that a new request starts from the engine's recent acceptance over all requests (a memory of
-# about 1 / (1 - decay) = 50 verifications), weighted as one rejection's worth of evidence. On chat
+# A new request starts from the engine's recent acceptance over all requests (a memory of about
+# 1 / (1 - decay) = 50 verifications), weighted as one rejection's worth of evidence. That estimate
+# itself starts at 2/3, so before anything was verified a request drafts a few tokens and learns. On chat
 # traffic, whose drafts seldom land, a short answer no longer opens with several long losing
 # verifications; one landed draft is enough to lengthen k again.
 WORKLOAD_DECAY = 0.98
 MAX_PRIOR_ACCEPTANCE = 0.9
+PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0  # as one rejection's worth: acceptance 2/3
 
 
 def default_self_draft_layers(num_layers: int) -> int:
@@ -90,10 +89,8 @@ class DraftingState:
             self.pauses = 0
 
     @classmethod
-    def starting_from(cls, workload: DraftingState | None) -> DraftingState:
-        """A new request's state: the fixed prior, or the workload's acceptance as one miss's worth."""
-        if workload is None:
-            return cls()
+    def starting_from(cls, workload: DraftingState) -> DraftingState:
+        """A new request's state: the workload's acceptance, as one rejection's worth of evidence."""
         acceptance = min(workload.acceptance, MAX_PRIOR_ACCEPTANCE)
         return cls(hits=acceptance / (1.0 - acceptance), misses=1.0)
 
@@ -110,7 +107,7 @@ class SpeculativeDecoder:
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q of the drafts in flight
         self._tracked: dict[str, Sequence] = {}  # sequences the proposer may hold state for
         self._states: dict[str, DraftingState] = {}
-        self._workload: DraftingState | None = None  # every request's verifications; None before the first
+        self._workload = DraftingState()  # every request's verifications, decayed by WORKLOAD_DECAY
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -207,8 +204,6 @@ class SpeculativeDecoder:
         state = self._states.get(seq.request_id)
         if state is not None:
             state.record(proposed=k, accepted=accepted)
-            if self._workload is None:
-                self._workload = DraftingState()
             self._workload.record(proposed=k, accepted=accepted, decay=WORKLOAD_DECAY)
         return tokens
 

@@ -199,7 +199,7 @@ def test_off_switch_and_adaptive_k(target: LlamaModel, tokenizer: Tokenizer) -> 
 
 def test_a_new_request_starts_from_the_workloads_acceptance(target: LlamaModel, tokenizer: Tokenizer) -> None:
     # Before any verification: the fixed prior of 2/3. After: the engine's recent acceptance.
-    assert DraftingState.starting_from(None).acceptance == pytest.approx(2 / 3)
+    assert DraftingState.starting_from(DraftingState()).acceptance == pytest.approx(2 / 3)
     for draft, first_k in ((tiny_model(5, std=8.0), 1), (target, 4)):
         engine = make_engine(target, tokenizer, {"method": "draft", "draft_model": "x", "num_tokens": 4},
                              draft=draft)
