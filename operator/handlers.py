@@ -15,8 +15,9 @@ import kopf
 
 from decodeservice.operator.errors import ApiError, ChildConflictError, InvalidSpecError
 from decodeservice.operator.kube import KINDS, KubeClient
+from decodeservice.operator.kube import login as kube_login
 from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas
-from decodeservice.operator.reconcile import apply_children
+from decodeservice.operator.reconcile import apply_children, pool_condition
 from decodeservice.operator.spec import GROUP, PLURAL, VERSION, validate_spec
 from decodeservice.operator.status import derive_status, invalid_status
 
@@ -30,7 +31,7 @@ class OperatorConfig:
     retry_base_seconds: float = 1.0
     retry_max_seconds: float = 60.0
     request_timeout_seconds: float = 30.0
-    # Given: use these credentials (tests, out-of-cluster runs). None: in-cluster service account, then kubeconfig.
+    # Given: use these credentials (tests). None: `kube.login` (official client, service account, kubeconfig).
     connection: kopf.ConnectionInfo | None = None
 
     def __post_init__(self) -> None:
@@ -87,7 +88,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info = config.connection or kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        info = config.connection or kube_login(**kwargs)
         if info is not None:
             await session.relogin(info)
         return info
@@ -115,7 +116,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             return
         kopf.adopt(children.all(), owner=body)
         try:
-            deployment = await apply_children(session.get(), children, owner_uid=str(body.metadata.uid),
+            applied = await apply_children(session.get(), children, owner_uid=str(body.metadata.uid),
                                               namespace=namespace, name=name)
         except ChildConflictError as exc:
             patch["status"] = invalid_status(name=name, generation=generation, reason=exc.reason,
@@ -132,7 +133,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(str(exc), delay=delay) from exc
         patch["status"] = derive_status(
             name=name, namespace=namespace, generation=generation, desired_replicas=desired_replicas(v),
-            deployment=deployment, slo_percentile=v.policy.slo.percentile, previous=previous)
+            deployment=applied.deployment, slo_percentile=v.policy.slo.percentile, previous=previous)
+        pool = applied.inference_pool
+        if pool.enabled:
+            patch["status"]["conditions"].append(pool_condition(pool, generation=generation, previous=previous))
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
