@@ -120,6 +120,9 @@ class ApiServer(KubernetesEmulator):
                                   message="an apply patch needs a YAML object body and a fieldManager")
         if request.resource is None or request.name is None:
             raise KubernetesError(status=405, reason="MethodNotAllowed", message="apply needs an object's path")
+        if not any(r == request.resource for r in super(KubernetesEmulator, self)._get_resources()):
+            # As a real API server answers for an API group nobody installed (a missing CRD).
+            raise KubernetesError(status=404, reason="NotFound", message="the server could not find the requested resource")
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
             stored = self._objects[key] if key in self._objects and not self._objects[key].deleted else None

@@ -198,7 +198,8 @@ def apply(live: Mapping[str, Any] | None, config: Mapping[str, Any], *, manager:
           force: bool) -> dict[str, Any]:
     """The object after `manager` applies `config` to `live` (None: the object does not exist yet)."""
     owners = owners_of(live)
-    base: dict[str, Any] = copy.deepcopy(dict(live)) if live is not None else {}
+    # A JSON round trip, not deepcopy: deepcopy keeps shared sub-objects shared, and removal mutates in place.
+    base: dict[str, Any] = json.loads(json.dumps(live)) if live is not None else {}
     mine = (manager, "Apply")
     new = field_paths(config)
     conflicts = []
@@ -213,8 +214,10 @@ def apply(live: Mapping[str, Any] | None, config: Mapping[str, Any], *, manager:
     if conflicts and not force:
         raise ApplyConflict(conflicts)
     others = set().union(*(p for k, p in owners.items() if k != mine))
-    for path in sorted(owners.get(mine, set()) - new, key=len, reverse=True):
-        if not _covers(others, path):
+    dropped = {p for p in owners.get(mine, set()) - new if not _covers(others, p)}
+    for path in dropped:
+        # A whole list item goes at once: removing its `name` first would leave it unfindable.
+        if not any(path[:n] in dropped for n in range(1, len(path))):
             _remove(base, path)
     result: dict[str, Any] = _merge(base, {k: v for k, v in config.items() if k != "status"})
     meta = dict(result.get("metadata") or {})

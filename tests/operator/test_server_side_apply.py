@@ -1,0 +1,164 @@
+"""Server-side apply of the children, against the emulator (bench/kube_emulator.py + bench/server_side_apply.py).
+
+The emulator follows the API server's apply for the fields the operator uses: per-manager field sets in
+managedFields, removal of what a manager applied before and no longer applies, other managers' fields
+kept, conflicts (409) unless forced, no-op applies that write nothing. What it does NOT model, and only a
+real cluster checks: list merge keys other than `name` (real ones: containerPort, mountPath,
+port+protocol; tolerations are atomic there and here), `set` lists, defaulting and validation of the
+applied result (a real server would default a removed `spec.replicas` back to 1, which is why external
+mode hands the field over first), status subresource field sets, and admission webhooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kopf
+import pytest
+from kmock import action, resource
+
+from decodeservice.bench.kube_emulator import DEPLOYMENTS, DS
+from decodeservice.operator.errors import ApiError
+from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient
+from decodeservice.operator.reconcile import HANDOVER_MANAGER, owns
+from tests.operator.conftest import Cluster, run_operator
+from tests.operator.test_operator_e2e import DS_PATH, condition, smoke
+
+DEPLOY_PATH = "/apis/apps/v1/namespaces/default/deployments/smoke"
+T1 = {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+T2 = {"key": "spot", "operator": "Exists", "effect": "NoExecute"}
+
+
+def pod(cluster: Cluster) -> dict[str, Any]:
+    dep = cluster.get(DEPLOYMENTS, "smoke") or {}
+    return dict(dep.get("spec", {}).get("template", {}).get("spec", {}))
+
+
+def names(items: list[dict[str, Any]] | None) -> list[str]:
+    return [x["name"] for x in items or []]
+
+
+@pytest.fixture
+async def client(cluster: Cluster) -> AsyncIterator[KubeClient]:
+    kube = KubeClient(kopf.ConnectionInfo(server=cluster.url, insecure=True))
+    yield kube
+    await kube.close()
+
+
+def config_map(data: dict[str, str], labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "cm", "namespace": "default"}
+    if labels is not None:
+        meta["labels"] = labels
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+async def test_apply_removes_only_what_this_manager_stopped_applying(client: KubeClient) -> None:
+    kind = KINDS["ConfigMap"]
+    first = await client.apply(kind, "default", "cm", config_map({"a": "1", "b": "2"}, {"x": "1"}))
+    assert first["metadata"]["generation"] == 1 and first["data"] == {"a": "1", "b": "2"}
+    # A no-op apply writes nothing: same resourceVersion.
+    again = await client.apply(kind, "default", "cm", config_map({"a": "1", "b": "2"}, {"x": "1"}))
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    # Another manager adds a key; then we drop `b` and every label.
+    await client.apply(kind, "default", "cm", config_map({"c": "3"}), field_manager="someone-else", force=False)
+    after = await client.apply(kind, "default", "cm", config_map({"a": "1"}))
+    assert after["data"] == {"a": "1", "c": "3"}
+    assert "labels" not in after["metadata"]  # the emptied map goes too
+    managers = {e["manager"]: e["fieldsV1"] for e in after["metadata"]["managedFields"]}
+    assert managers[FIELD_MANAGER] == {"f:data": {"f:a": {}}}
+    assert managers["someone-else"] == {"f:data": {"f:c": {}}}
+
+
+async def test_apply_conflicts_unless_forced(client: KubeClient) -> None:
+    kind = KINDS["ConfigMap"]
+    await client.apply(kind, "default", "cm", config_map({"a": "1"}), field_manager="kubectl", force=False)
+    with pytest.raises(ApiError) as err:
+        await client.apply(kind, "default", "cm", config_map({"a": "2"}), force=False)
+    assert err.value.status == 409 and 'conflict with "kubectl": .data.a' in err.value.message
+    taken = await client.apply(kind, "default", "cm", config_map({"a": "2"}), force=True)
+    assert taken["data"] == {"a": "2"}
+    assert {e["manager"] for e in taken["metadata"]["managedFields"]} == {FIELD_MANAGER}
+
+
+async def test_every_kind_of_removal_reaches_the_deployment(cluster: Cluster) -> None:
+    body = smoke()
+    body["spec"]["model"]["uri"] = "hf://org/tiny-model"
+    body["spec"]["resources"]["nodeSelector"] = {"pool": "cpu-a", "zone": "z1"}
+    body["spec"]["resources"]["tolerations"] = [T1, T2]
+    async for _ in run_operator(cluster):
+        await cluster.create(body)
+        await cluster.wait_for(lambda: pod(cluster).get("initContainers"), what="Deployment with its init container")
+        spec = pod(cluster)
+        assert names(spec["initContainers"]) == ["fetch-model"] and "model-cache" in names(spec["volumes"])
+        # Someone else's fields: an annotation by a merge patch (an Update) and a nodeSelector key by apply.
+        await cluster.patch(DEPLOY_PATH + "?fieldManager=kubectl-annotate", {"spec": {"template": {"metadata": {
+            "annotations": {"example.com/owner": "team-a"}}}}})
+        async with cluster.server.patch(DEPLOY_PATH, params={"fieldManager": "team-a"}, json={
+                "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "smoke", "namespace": "default"},
+                "spec": {"template": {"spec": {"nodeSelector": {"team": "a"}}}}},
+                headers={"Content-Type": "application/apply-patch+yaml"}) as resp:
+            assert resp.status == 200, await resp.text()
+
+        # A map key, a list item, an init container (hf:// -> bundled://) and its volume, in one change.
+        await cluster.patch(f"{DS_PATH}/smoke", {"spec": {
+            "model": {"uri": "bundled://smollm2-135m"},
+            "resources": {"nodeSelector": {"zone": None}, "tolerations": [T1]}}})
+        await cluster.wait_for(lambda: "initContainers" not in pod(cluster), what="init container removed")
+        spec = pod(cluster)
+        assert "model-cache" not in names(spec["volumes"])
+        assert all("model-cache" not in names(c["volumeMounts"]) for c in spec["containers"])
+        assert spec["nodeSelector"] == {"pool": "cpu-a", "team": "a"}
+        assert spec["tolerations"] == [T1]
+
+        # Whole optional sections: tolerations and our nodeSelector keys; team-a's key stays.
+        await cluster.patch(f"{DS_PATH}/smoke", {"spec": {"resources": {"nodeSelector": None, "tolerations": None}}})
+        await cluster.wait_for(lambda: "tolerations" not in pod(cluster), what="tolerations removed")
+        dep = cluster.get(DEPLOYMENTS, "smoke") or {}
+        assert pod(cluster)["nodeSelector"] == {"team": "a"}
+        assert dep["spec"]["template"]["metadata"]["annotations"]["example.com/owner"] == "team-a"
+        assert dep["metadata"]["ownerReferences"][0]["kind"] == "DecodeService"
+
+
+async def test_external_autoscaling_leaves_replicas_to_the_autoscaler(cluster: Cluster) -> None:
+    body = smoke()
+    body["spec"]["replicas"] = 3
+    body["spec"]["autoscaling"] = {"mode": "external", "minReplicas": 1, "maxReplicas": 8}
+    async for _ in run_operator(cluster):
+        await cluster.create(body)
+
+        def handed_over() -> dict[str, Any] | None:
+            dep = cluster.get(DEPLOYMENTS, "smoke")
+            return dep if dep and owns(dep, HANDOVER_MANAGER, "spec", "replicas") and not owns(
+                dep, FIELD_MANAGER, "spec", "replicas") else None
+
+        dep = await cluster.wait_for(handed_over, what="replicas handed over")
+        assert dep["spec"]["replicas"] == 3  # created with the initial count, never reset
+        # The HPA scales through the scale subresource (an Update by its own manager).
+        await cluster.patch(DEPLOY_PATH + "?fieldManager=horizontal-pod-autoscaler", {"spec": {"replicas": 6}})
+        seen = len(list(cluster.server[action.UPDATE, resource(DEPLOYMENTS)]))
+        # Two more resyncs have applied the Deployment: the HPA's count stands.
+        await cluster.wait_for(lambda: len(list(cluster.server[action.UPDATE, resource(DEPLOYMENTS)])) >= seen + 2,  # noqa: B023
+                               what="two resyncs")
+        assert (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"]["replicas"] == 6
+        # Back to mode off: we take replicas back (force) and apply spec.replicas.
+        await cluster.patch(f"{DS_PATH}/smoke", {"spec": {"autoscaling": {"mode": "off"}}})
+        await cluster.wait_for(lambda: (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"]["replicas"] == 3,
+                               what="replicas 3 in mode off")
+
+
+async def test_a_child_controlled_by_another_owner_is_refused(cluster: Cluster) -> None:
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "smoke-policy", "namespace": "default", "ownerReferences": [{
+            "apiVersion": "apps/v1", "kind": "Deployment", "name": "other", "uid": "someone-else",
+            "controller": True}]}, "data": {"keep": "me"}}
+    async with cluster.server.post("/api/v1/namespaces/default/configmaps", json=foreign) as resp:
+        assert resp.status == 200
+    async for _ in run_operator(cluster):
+        await cluster.create(smoke())
+        ds = await cluster.wait_for(lambda: cluster.get(DS, "smoke")
+                                    if condition(cluster.get(DS, "smoke"), "Ready") else None, what="Ready")
+        assert condition(ds, "Ready")["reason"] == "ChildConflict"
+        assert "someone-else" in condition(ds, "Ready")["message"]
+        assert cluster.get("v1/configmaps", "smoke-policy")["data"] == {"keep": "me"}  # type: ignore[index]
+        assert [r for r in cluster.server[action.UPDATE, resource("v1/configmaps")]] == []
