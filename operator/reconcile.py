@@ -115,19 +115,24 @@ async def _apply_pool(client: KubeClient, children: Children, *, owner_uid: str,
         try:
             live = await client.get(kind, namespace, name)
         except ApiError as exc:
-            if exc.status != 404:
+            if exc.status not in (403, 404):
                 raise
-            live = None  # some servers answer 404 on the list path of an API that is not installed
+            live = None  # no CRD, or a chart from before the pool existed (no RBAC): nothing of ours there
         if live is not None and _controller_uid(live) == owner_uid:
             await client.delete(kind, namespace, name)
         return PoolOutcome(enabled=False, applied=False, reason="Disabled", message="spec.routing.inferencePool is off")
     try:
         await apply_child(client, children.inference_pool, owner_uid=owner_uid)
     except ApiError as exc:
+        # Neither stops the Deployment from serving: say so in the condition and go on.
         if exc.not_found:  # the API group is not served: the Gateway API Inference Extension CRD is missing
             return PoolOutcome(enabled=True, applied=False, reason="CRDNotInstalled",
                                message="the InferencePool CRD (inference.networking.k8s.io/v1) is not installed; "
                                        "install the Gateway API Inference Extension CRDs to route through a pool")
+        if exc.status == 403:
+            return PoolOutcome(enabled=True, applied=False, reason="Forbidden",
+                               message="the operator may not write inferencepools.inference.networking.k8s.io; "
+                                       f"upgrade the chart (its RBAC grants that): {exc}")
         raise
     return PoolOutcome(enabled=True, applied=True, reason="Applied", message=f"InferencePool {name} applied")
 
