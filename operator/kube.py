@@ -97,9 +97,10 @@ def _read(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> bytes:
     return Path(os.fsdecode(path)).read_bytes()
 
 
-def _load_cert_chain_from_memory(ctx: ssl.SSLContext, chain: bytes) -> None:
+def load_cert_chain_from_memory(ctx: ssl.SSLContext, chain: bytes, *,
+                                use_memfd: bool = hasattr(os, "memfd_create")) -> None:
     """`ctx.load_cert_chain` for a PEM (certificate, then key) that must not be written to a disk."""
-    if hasattr(os, "memfd_create"):
+    if use_memfd:
         fd = os.memfd_create("decodeservice-client-cert", os.MFD_CLOEXEC)
         try:
             view = memoryview(chain)
@@ -127,7 +128,7 @@ def ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext:
     elif (info.certificate_data or cert_path) and (info.private_key_data or key_path):
         cert = pem(info.certificate_data) if info.certificate_data else _read(cert_path or "")
         key = pem(info.private_key_data) if info.private_key_data else _read(key_path or "")
-        _load_cert_chain_from_memory(ctx, cert.rstrip(b"\n") + b"\n" + key)
+        load_cert_chain_from_memory(ctx, cert.rstrip(b"\n") + b"\n" + key)
     if info.insecure:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE

@@ -24,9 +24,10 @@ from decodeservice.operator.engines import PROXY_PORT
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.inference_pool import ENGINE_TYPE_LABEL
 from decodeservice.operator.manifests import Children, build_children
+from decodeservice.operator.manifests import render as render_manifest
 from decodeservice.operator.spec import validate_spec
 from tests.operator.conftest import Cluster, run_operator
-from tests.operator.helpers import EXAMPLES
+from tests.operator.helpers import EXAMPLES, example_paths, load
 from tests.operator.schema import _jsonschema, apply_defaults, cel_eval, cel_rules
 from tests.operator.test_operator_e2e import DS_PATH, condition, owned_by, smoke
 
@@ -89,6 +90,12 @@ def test_the_rendered_pool_validates_against_the_upstream_crd() -> None:
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
     assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service", "name": "smoke-epp",
                                                  "port": {"number": 9002}, "failureMode": "FailOpen"}
+
+
+def test_every_example_with_a_pool_renders_a_valid_one() -> None:
+    pools = [render_manifest(load(p)).inference_pool for p in example_paths()]
+    assert any(pools)
+    assert [pool_errors(p) for p in pools if p is not None] == [[] for p in pools if p is not None]
 
 
 def test_the_checker_rejects_what_the_api_server_would() -> None:

@@ -15,17 +15,19 @@ import shutil
 import ssl
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import kopf
 import pytest
 import yaml
 from aiohttp import web
 
 from decodeservice.operator.errors import ApiError
-from decodeservice.operator.kube import KINDS, KubeClient, pem
+from decodeservice.operator.kube import KINDS, KubeClient, load_cert_chain_from_memory, pem
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
 
@@ -179,3 +181,17 @@ async def test_login_chain_uses_the_official_client_and_our_tls_leaves_no_files(
     # kopf's own reader keeps the base64 data in memory; our TLS context wrote no file for it.
     assert result["second"] == result["first"]
     assert result["after"] == result["before"]
+
+
+@pytest.mark.parametrize("use_memfd", [True, False], ids=["memfd", "private-tempdir"])
+async def test_both_ways_of_loading_a_key_from_memory(api_server: str, pki: Pki, use_memfd: bool) -> None:
+    if use_memfd and not hasattr(os, "memfd_create"):
+        pytest.skip("os.memfd_create is Linux-only")
+    ours = {p.name for p in Path(tempfile.gettempdir()).glob("decodeservice-tls-*")}
+    ctx = ssl.create_default_context(cadata=pki.read("ca.crt").decode())
+    load_cert_chain_from_memory(ctx, pki.read("client.crt") + pki.read("client.key"), use_memfd=use_memfd)
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("decodeservice-tls-*")} == ours  # nothing left
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{api_server}/api/v1/namespaces/default/configmaps/probe", ssl=ctx) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["data"]["client"] == USER_CN
