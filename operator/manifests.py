@@ -77,8 +77,6 @@ class Children:
     config_map: dict[str, Any]
     pdb: dict[str, Any] | None
     inference_pool: dict[str, Any] | None = None
-    # Autoscaling mode external: an HPA or KEDA owns spec.replicas once the Deployment exists.
-    external_replicas: bool = False
 
     def all(self) -> list[dict[str, Any]]:
         objs = [self.config_map, self.service, self.deployment]
@@ -251,8 +249,7 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, labels),
                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
     pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=selector_labels(name))
-    return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb, inference_pool=pool,
-                    external_replicas=v.spec.autoscaling.mode is AutoscalingMode.EXTERNAL)
+    return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb, inference_pool=pool)
 
 
 def render(body: Mapping[str, Any], *, options: BuildOptions | None = None,

@@ -7,25 +7,31 @@ by hand, and removes every field we applied before and no longer apply (a nodeSe
 init container), which a merge patch never did. So there is no create/409/re-read dance and no diffing
 here: the API server owns the merge.
 
-Replicas in autoscaling mode `external` belong to an HPA or KEDA, which write them through the scale
-subresource. The Deployment is created with the initial count; after that we hand `spec.replicas` to a
-manager of its own that never applies again (`decodeservice-replicas-handover`, the pattern the
-Kubernetes docs give for handing replicas to an HPA) and stop applying it. Dropping it without the
-handover would make the API server remove the field and default it back to 1.
+An apply that would change nothing is not sent: each applied body carries the hash of itself in the
+`decode.dev/applied-hash` annotation, and a child whose hash matches and whose fields still hold our
+values (nobody edited them) is left alone. So a resync of an unchanged DecodeService makes no writes; a
+changed spec changes the hash, and that apply removes what we no longer set.
+
+Replicas are always ours to apply (`manifests.desired_replicas`). In autoscaling mode `external` an HPA
+or KEDA scales the DecodeService through its scale subresource (`spec.replicas`), never the Deployment,
+so the two never fight over the Deployment's `spec.replicas`.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from decodeservice.operator.errors import ApiError, ChildConflictError
-from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient, kind_of
+from decodeservice.operator.kube import KINDS, KubeClient, kind_of
 from decodeservice.operator.manifests import Children
 from decodeservice.operator.status import _conditions, now_iso
 
-HANDOVER_MANAGER = "decodeservice-replicas-handover"
+APPLIED_HASH = "decode.dev/applied-hash"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,17 +66,26 @@ def _controller_uid(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
-def owns(obj: Mapping[str, Any], manager: str, *path: str) -> bool:
-    """Whether `manager` applied the field at `path` (plain keys), per the object's managedFields."""
-    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
-        if not isinstance(entry, Mapping) or entry.get("manager") != manager or entry.get("operation") != "Apply":
-            continue
-        node: Any = entry.get("fieldsV1") or {}
-        for key in path:
-            node = node.get(f"f:{key}") if isinstance(node, Mapping) else None
-        if node is not None:
-            return True
-    return False
+def is_subset(desired: Any, live: Any) -> bool:
+    """True when every field we set has the value we want; lists must match item by item."""
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(live, list) and len(desired) == len(live)
+                and all(is_subset(d, x) for d, x in zip(desired, live, strict=True)))
+    if isinstance(desired, bool) or isinstance(live, bool):
+        return desired is live
+    if isinstance(desired, int | float) and isinstance(live, int | float):
+        return float(desired) == float(live)
+    return bool(desired == live)
+
+
+def with_applied_hash(desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The body to apply: `desired` plus the hash of `desired` in an annotation."""
+    body = copy.deepcopy(dict(desired))
+    digest = hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
+    body["metadata"].setdefault("annotations", {})[APPLIED_HASH] = digest
+    return body
 
 
 async def _check_controller(client: KubeClient, desired: Mapping[str, Any], *,
@@ -86,26 +101,12 @@ async def _check_controller(client: KubeClient, desired: Mapping[str, Any], *,
 
 async def apply_child(client: KubeClient, desired: Mapping[str, Any], *, owner_uid: str) -> dict[str, Any]:
     """Apply one child; an orphan with our name is adopted (the applied ownerReference), a foreign one refused."""
-    await _check_controller(client, desired, owner_uid=owner_uid)
-    meta = desired["metadata"]
-    return await client.apply(kind_of(desired), str(meta["namespace"]), str(meta["name"]), desired)
-
-
-async def _apply_external_replicas(client: KubeClient, desired: Mapping[str, Any], *,
-                                   owner_uid: str) -> dict[str, Any]:
-    kind, meta = kind_of(desired), desired["metadata"]
-    namespace, name = str(meta["namespace"]), str(meta["name"])
     live = await _check_controller(client, desired, owner_uid=owner_uid)
-    if live is None:
-        live = await client.apply(kind, namespace, name, desired)  # created with the initial replica count
-    if owns(live, FIELD_MANAGER, "spec", "replicas"):
-        handover = {"apiVersion": desired["apiVersion"], "kind": desired["kind"],
-                    "metadata": {"name": name, "namespace": namespace},
-                    "spec": {"replicas": int((live.get("spec") or {}).get("replicas") or 0)}}
-        # No force: if the autoscaler changed the count since our read, the 409 retries with its value.
-        await client.apply(kind, namespace, name, handover, field_manager=HANDOVER_MANAGER, force=False)
-    spec = {k: v for k, v in desired["spec"].items() if k != "replicas"}
-    return await client.apply(kind, namespace, name, {**desired, "spec": spec})
+    body = with_applied_hash(desired)
+    if live is not None and is_subset(body, live):
+        return live  # same hash: nothing to remove; every value still ours: nothing to set
+    meta = desired["metadata"]
+    return await client.apply(kind_of(desired), str(meta["namespace"]), str(meta["name"]), body)
 
 
 async def _apply_pool(client: KubeClient, children: Children, *, owner_uid: str, namespace: str,
@@ -144,9 +145,6 @@ async def apply_children(client: KubeClient, children: Children, *, owner_uid: s
     for obj in children.all():
         if obj is children.inference_pool:
             continue  # applied last, and only where its CRD is installed
-        if obj is children.deployment and children.external_replicas:
-            deployment = await _apply_external_replicas(client, obj, owner_uid=owner_uid)
-            continue
         live = await apply_child(client, obj, owner_uid=owner_uid)
         if obj is children.deployment:
             deployment = live

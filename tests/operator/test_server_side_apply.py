@@ -5,8 +5,8 @@ managedFields, removal of what a manager applied before and no longer applies, o
 kept, conflicts (409) unless forced, no-op applies that write nothing. What it does NOT model, and only a
 real cluster checks: list merge keys other than `name` (real ones: containerPort, mountPath,
 port+protocol; tolerations are atomic there and here), `set` lists, defaulting and validation of the
-applied result (a real server would default a removed `spec.replicas` back to 1, which is why external
-mode hands the field over first), status subresource field sets, and admission webhooks.
+applied result (a real server would default a field we stop applying, e.g. `spec.replicas` back to 1),
+status subresource field sets, and admission webhooks.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from kmock import action, resource
 from decodeservice.bench.kube_emulator import DEPLOYMENTS, DS
 from decodeservice.operator.errors import ApiError
 from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient
-from decodeservice.operator.reconcile import HANDOVER_MANAGER, owns
 from tests.operator.conftest import Cluster, run_operator
-from tests.operator.test_operator_e2e import DS_PATH, condition, smoke
+from tests.operator.test_operator_e2e import DS_PATH, applies, condition, smoke
 
 DEPLOY_PATH = "/apis/apps/v1/namespaces/default/deployments/smoke"
 T1 = {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
@@ -120,31 +119,41 @@ async def test_every_kind_of_removal_reaches_the_deployment(cluster: Cluster) ->
         assert dep["metadata"]["ownerReferences"][0]["kind"] == "DecodeService"
 
 
-async def test_external_autoscaling_leaves_replicas_to_the_autoscaler(cluster: Cluster) -> None:
+def fetches(cluster: Cluster) -> int:
+    return len(list(cluster.server[action.FETCH, resource(DEPLOYMENTS)]))
+
+
+async def test_an_unchanged_resync_writes_nothing_and_hand_edits_are_reverted(cluster: Cluster) -> None:
+    async for _ in run_operator(cluster):
+        await cluster.create(smoke())
+        await cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "smoke"), what="Deployment")
+        seen, writes = fetches(cluster), len(applies(cluster, DEPLOYMENTS))
+        # Two more resyncs read the Deployment and find it up to date (the applied-hash annotation).
+        await cluster.wait_for(lambda: fetches(cluster) >= seen + 2, what="two resyncs")  # noqa: B023
+        assert len(applies(cluster, DEPLOYMENTS)) == writes
+        # A hand edit of a field we own is applied back (forced: `kubectl edit` owns it for a moment).
+        await cluster.patch(DEPLOY_PATH + "?fieldManager=kubectl-edit", {"spec": {"revisionHistoryLimit": 50}})
+        await cluster.wait_for(lambda: (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"][
+            "revisionHistoryLimit"] == 3, what="hand edit reverted")
+        assert len(applies(cluster, DEPLOYMENTS)) == writes + 1
+
+
+async def test_external_autoscaling_scales_through_the_decodeservice(cluster: Cluster) -> None:
+    # An HPA or KEDA targets the DecodeService's scale subresource; the Deployment follows, within bounds.
     body = smoke()
-    body["spec"]["replicas"] = 3
-    body["spec"]["autoscaling"] = {"mode": "external", "minReplicas": 1, "maxReplicas": 8}
+    body["spec"]["autoscaling"] = {"mode": "external", "minReplicas": 1, "maxReplicas": 5}
     async for _ in run_operator(cluster):
         await cluster.create(body)
-
-        def handed_over() -> dict[str, Any] | None:
-            dep = cluster.get(DEPLOYMENTS, "smoke")
-            return dep if dep and owns(dep, HANDOVER_MANAGER, "spec", "replicas") and not owns(
-                dep, FIELD_MANAGER, "spec", "replicas") else None
-
-        dep = await cluster.wait_for(handed_over, what="replicas handed over")
-        assert dep["spec"]["replicas"] == 3  # created with the initial count, never reset
-        # The HPA scales through the scale subresource (an Update by its own manager).
-        await cluster.patch(DEPLOY_PATH + "?fieldManager=horizontal-pod-autoscaler", {"spec": {"replicas": 6}})
-        seen = len(list(cluster.server[action.UPDATE, resource(DEPLOYMENTS)]))
-        # Two more resyncs have applied the Deployment: the HPA's count stands.
-        await cluster.wait_for(lambda: len(list(cluster.server[action.UPDATE, resource(DEPLOYMENTS)])) >= seen + 2,  # noqa: B023
-                               what="two resyncs")
-        assert (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"]["replicas"] == 6
-        # Back to mode off: we take replicas back (force) and apply spec.replicas.
-        await cluster.patch(f"{DS_PATH}/smoke", {"spec": {"autoscaling": {"mode": "off"}}})
-        await cluster.wait_for(lambda: (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"]["replicas"] == 3,
-                               what="replicas 3 in mode off")
+        await cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "smoke"), what="Deployment")
+        await cluster.patch(f"{DS_PATH}/smoke/scale", {"spec": {"replicas": 4}})
+        await cluster.wait_for(lambda: (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"]["replicas"] == 4,
+                               what="4 replicas from the scaler")
+        await cluster.patch(f"{DS_PATH}/smoke/scale", {"spec": {"replicas": 9}})
+        await cluster.wait_for(lambda: (cluster.get(DEPLOYMENTS, "smoke") or {})["spec"]["replicas"] == 5,
+                               what="clamped to maxReplicas")
+        dep = cluster.get(DEPLOYMENTS, "smoke") or {}
+        entry = next(e for e in dep["metadata"]["managedFields"] if e["manager"] == FIELD_MANAGER)
+        assert "f:replicas" in entry["fieldsV1"]["f:spec"] and entry["operation"] == "Apply"
 
 
 async def test_a_child_controlled_by_another_owner_is_refused(cluster: Cluster) -> None:

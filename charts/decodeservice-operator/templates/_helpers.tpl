@@ -62,13 +62,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch", "delete"]
-- apiGroups: ["inference.networking.k8s.io"]
-  resources: ["inferencepools"]
-  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+# spec.routing.inferencePool: server-side apply creates (create + patch), a disabled pool is deleted.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
