@@ -17,7 +17,7 @@ from decodeservice.operator.errors import ApiError, ChildConflictError, InvalidS
 from decodeservice.operator.kube import KINDS, KubeClient
 from decodeservice.operator.kube import login as kube_login
 from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas
-from decodeservice.operator.reconcile import apply_children, pool_condition
+from decodeservice.operator.reconcile import apply_children
 from decodeservice.operator.spec import GROUP, PLURAL, VERSION, validate_spec
 from decodeservice.operator.status import derive_status, invalid_status
 
@@ -31,7 +31,7 @@ class OperatorConfig:
     retry_base_seconds: float = 1.0
     retry_max_seconds: float = 60.0
     request_timeout_seconds: float = 30.0
-    # Given: use these credentials (tests). None: `kube.login` (official client, service account, kubeconfig).
+    # Given: use these credentials (tests, out-of-cluster runs). None: in-cluster service account, then kubeconfig.
     connection: kopf.ConnectionInfo | None = None
 
     def __post_init__(self) -> None:
@@ -131,12 +131,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             delay = config.backoff(retry)
             logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
             raise kopf.TemporaryError(str(exc), delay=delay) from exc
+        deployment, pool = applied.deployment, applied.inference_pool
+
         patch["status"] = derive_status(
             name=name, namespace=namespace, generation=generation, desired_replicas=desired_replicas(v),
-            deployment=applied.deployment, slo_percentile=v.policy.slo.percentile, previous=previous)
-        pool = applied.inference_pool
-        if pool.enabled:
-            patch["status"]["conditions"].append(pool_condition(pool, generation=generation, previous=previous))
+            deployment=deployment, slo_percentile=v.policy.slo.percentile, previous=previous)
+        if pool.enabled:  # InferencePoolReady, only while spec.routing.inferencePool is on
+            patch["status"]["conditions"].append(pool.condition(generation=generation, previous=previous))
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)

@@ -32,6 +32,7 @@ from decodeservice.operator.manifests import Children
 from decodeservice.operator.status import _conditions, now_iso
 
 APPLIED_HASH = "decode.dev/applied-hash"
+POOL_CONDITION = "InferencePoolReady"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,14 +44,10 @@ class PoolOutcome:
     reason: str
     message: str
 
-
-POOL_CONDITION = "InferencePoolReady"
-
-
-def pool_condition(pool: PoolOutcome, *, generation: int, previous: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`InferencePoolReady`: True once applied; False with CRDNotInstalled when the cluster lacks the CRD."""
-    values = [(POOL_CONDITION, "True" if pool.applied else "False", pool.reason, pool.message)]
-    return _conditions(values, generation=generation, previous=previous, now=now_iso())[0]
+    def condition(self, *, generation: int, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+        """`InferencePoolReady`: True once applied; False with CRDNotInstalled when the cluster lacks the CRD."""
+        values = [(POOL_CONDITION, "True" if self.applied else "False", self.reason, self.message)]
+        return _conditions(values, generation=generation, previous=previous, now=now_iso())[0]
 
 
 @dataclass(frozen=True, kw_only=True)
