@@ -193,6 +193,11 @@ class KubeClient:
         return await self._request("PATCH", kind.path(namespace, name), body=dict(body), content_type=APPLY_PATCH,
                                    params={"fieldManager": field_manager, "force": "true" if force else "false"})
 
+    async def json_patch(self, kind: Kind, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """RFC 6902 JSON patch (used with a `test` of resourceVersion, so it fails rather than races)."""
+        return await self._request("PATCH", kind.path(namespace, name), body=list(ops),
+                                   content_type="application/json-patch+json")
+
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
         try:
             await self._request("DELETE", kind.path(namespace, name))

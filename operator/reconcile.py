@@ -7,6 +7,9 @@ by hand, and removes every field we applied before and no longer apply (a nodeSe
 init container), which a merge patch never did. So there is no create/409/re-read dance and no diffing
 here: the API server owns the merge.
 
+Children written by the merge-patch versions of this operator are upgraded once (`upgraded_managed_fields`)
+so their leftover fields are removed too.
+
 An apply that would change nothing is not sent: each applied body carries the hash of itself in the
 `decode.dev/applied-hash` annotation, and a child whose hash matches and whose fields still hold our
 values (nobody edited them) is left alone. So a resync of an unchanged DecodeService makes no writes; a
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decodeservice.operator.errors import ApiError, ChildConflictError
-from decodeservice.operator.kube import KINDS, KubeClient, kind_of
+from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient, kind_of
 from decodeservice.operator.manifests import Children
 from decodeservice.operator.status import _conditions, now_iso
 
@@ -96,9 +99,36 @@ async def _check_controller(client: KubeClient, desired: Mapping[str, Any], *,
     return live
 
 
+def upgraded_managed_fields(live: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """managedFields with our merge-patch era ownership turned into apply ownership; None when not needed.
+
+    Before server-side apply this operator merge-patched its children, so the API server recorded its
+    fields under (decodeservice-operator, Update). Apply only removes fields the applier owns, so a field
+    from that era that we no longer set would stay forever. This is what kubectl's csaupgrade does: the
+    Update entry becomes our Apply entry, and the next apply removes what we no longer set.
+    """
+    entries = [e for e in (live.get("metadata") or {}).get("managedFields") or [] if isinstance(e, Mapping)]
+    ours = [e for e in entries if e.get("manager") == FIELD_MANAGER and not e.get("subresource")]
+    if any(e.get("operation") == "Apply" for e in ours) or not any(e.get("operation") == "Update" for e in ours):
+        return None
+    return [{**e, "operation": "Apply"} if e in ours else dict(e) for e in entries]
+
+
+async def _upgrade_ownership(client: KubeClient, live: Mapping[str, Any]) -> None:
+    upgraded = upgraded_managed_fields(live)
+    if upgraded is None:
+        return
+    meta = live["metadata"]
+    await client.json_patch(kind_of(live), str(meta["namespace"]), str(meta["name"]), [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "replace", "path": "/metadata/managedFields", "value": upgraded}])
+
+
 async def apply_child(client: KubeClient, desired: Mapping[str, Any], *, owner_uid: str) -> dict[str, Any]:
     """Apply one child; an orphan with our name is adopted (the applied ownerReference), a foreign one refused."""
     live = await _check_controller(client, desired, owner_uid=owner_uid)
+    if live is not None and _controller_uid(live) == owner_uid:
+        await _upgrade_ownership(client, live)
     body = with_applied_hash(desired)
     if live is not None and is_subset(body, live):
         return live  # same hash: nothing to remove; every value still ours: nothing to set

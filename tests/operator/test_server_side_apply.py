@@ -21,6 +21,7 @@ from kmock import action, resource
 from decodeservice.bench.kube_emulator import DEPLOYMENTS, DS
 from decodeservice.operator.errors import ApiError
 from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient
+from decodeservice.operator.manifests import render
 from tests.operator.conftest import Cluster, run_operator
 from tests.operator.test_operator_e2e import DS_PATH, applies, condition, smoke
 
@@ -171,3 +172,25 @@ async def test_a_child_controlled_by_another_owner_is_refused(cluster: Cluster) 
         assert "someone-else" in condition(ds, "Ready")["message"]
         assert cluster.get("v1/configmaps", "smoke-policy")["data"] == {"keep": "me"}  # type: ignore[index]
         assert [r for r in cluster.server[action.UPDATE, resource("v1/configmaps")]] == []
+
+
+async def test_children_of_the_merge_patch_era_lose_their_leftovers(cluster: Cluster) -> None:
+    # What the previous operator left: a Deployment it created (an Update by its user agent) with a
+    # nodeSelector key the DecodeService no longer has.
+    await cluster.create(smoke())
+    ds = cluster.get(DS, "smoke") or {}
+    old = render(ds).deployment
+    old["spec"]["template"]["spec"]["nodeSelector"] = {"retired": "pool"}
+    old["metadata"]["ownerReferences"] = [{"apiVersion": "decode.dev/v1alpha1", "kind": "DecodeService",
+                                           "name": "smoke", "uid": ds["metadata"]["uid"], "controller": True,
+                                           "blockOwnerDeletion": True}]
+    async with cluster.server.post("/apis/apps/v1/namespaces/default/deployments", json=old,
+                                   headers={"User-Agent": "decodeservice-operator"}) as resp:
+        assert resp.status == 200
+    before = cluster.get(DEPLOYMENTS, "smoke") or {}
+    assert [(e["manager"], e["operation"]) for e in before["metadata"]["managedFields"]] == [
+        (FIELD_MANAGER, "Update")]
+    async for _ in run_operator(cluster):
+        await cluster.wait_for(lambda: "nodeSelector" not in pod(cluster), what="leftover nodeSelector removed")
+        dep = cluster.get(DEPLOYMENTS, "smoke") or {}
+        assert [(e["manager"], e["operation"]) for e in dep["metadata"]["managedFields"]] == [(FIELD_MANAGER, "Apply")]
