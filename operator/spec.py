@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError
 
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
+from decodeservice.serving.camel_model import CamelModel
 
 GROUP = "decode.dev"
 VERSION = "v1alpha1"
@@ -41,12 +41,6 @@ MODEL_URI_PATTERN = (
     r"|file:///.+)$"
 )
 _MODEL_URI = re.compile(MODEL_URI_PATTERN)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid", frozen=True,
-    )
 
 
 class EngineKind(enum.StrEnum):
@@ -72,18 +66,18 @@ class AutoscalingMode(enum.StrEnum):
     EXTERNAL = "external"
 
 
-class ModelSpec(_Model):
+class ModelSpec(CamelModel):
     uri: str = Field(pattern=MODEL_URI_PATTERN)
     served_name: str | None = Field(None, min_length=1, max_length=128)
 
 
-class SpeculativeSpec(_Model):
+class SpeculativeSpec(CamelModel):
     method: SpecMethod = SpecMethod.NONE
     num_tokens: int = Field(4, ge=1, le=16)
     draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
 
 
-class EngineSpec(_Model):
+class EngineSpec(CamelModel):
     kind: EngineKind = EngineKind.BUILTIN
     image: str | None = Field(None, min_length=1)
     max_num_seqs: int = Field(16, ge=1, le=4096)
@@ -94,7 +88,7 @@ class EngineSpec(_Model):
     extra_args: tuple[str, ...] = ()
 
 
-class Toleration(_Model):
+class Toleration(CamelModel):
     key: str | None = None
     operator: str | None = Field(None, pattern=r"^(Exists|Equal)$")
     value: str | None = None
@@ -105,7 +99,7 @@ class Toleration(_Model):
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 
 
-class ResourcesSpec(_Model):
+class ResourcesSpec(CamelModel):
     gpus: int = Field(0, ge=0, le=16)
     cpu: str = Field("2", pattern=QUANTITY_PATTERN)
     memory: str = Field("4Gi", pattern=QUANTITY_PATTERN)
@@ -113,7 +107,7 @@ class ResourcesSpec(_Model):
     tolerations: tuple[Toleration, ...] = ()
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(CamelModel):
     mode: AutoscalingMode = AutoscalingMode.OFF
     min_replicas: int = Field(1, ge=0, le=1000)
     max_replicas: int = Field(1, ge=1, le=1000)
@@ -121,7 +115,7 @@ class AutoscalingSpec(_Model):
     scale_down_delay_seconds: int = Field(300, ge=0)
 
 
-class DecodeServiceSpec(_Model):
+class DecodeServiceSpec(CamelModel):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec.model_validate({}))
     resources: ResourcesSpec = Field(default_factory=lambda: ResourcesSpec.model_validate({}))

@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from decodeservice.proxy.errors import PolicyError
+from decodeservice.serving.camel_model import CamelModel
 
 __all__ = [
     "AdmissionPolicy",
@@ -55,19 +56,6 @@ __all__ = [
 ]
 
 
-class _Model(BaseModel):
-    # validate_by_name lets Python code build policies with snake_case keywords; YAML/CRD use camelCase.
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-        frozen=True,
-        use_enum_values=False,
-    )
-
-
 class LengthMode(enum.StrEnum):
     CLAMP = "clamp"
     REJECT = "reject"
@@ -78,7 +66,7 @@ class PriorityClass(enum.StrEnum):
     BATCH = "batch"
 
 
-class OutputLengthPolicy(_Model):
+class OutputLengthPolicy(CamelModel):
     max_output_tokens: int = Field(default=2048, ge=1, description="Cap on max_tokens / max_completion_tokens.")
     mode: LengthMode = Field(default=LengthMode.CLAMP, description="clamp: lower the limit to the cap; reject: 400.")
     default_max_tokens: int = Field(default=256, ge=1, description="Injected when the client sends no limit.")
@@ -94,14 +82,14 @@ class OutputLengthPolicy(_Model):
         return self
 
 
-class SloPolicy(_Model):
+class SloPolicy(CamelModel):
     ttft_ms: float = Field(default=1000.0, gt=0, description="Time-to-first-token objective, milliseconds.")
     itl_ms: float = Field(default=200.0, gt=0, description="Inter-token latency objective, milliseconds.")
     percentile: float = Field(default=95.0, gt=0, le=100, description="Percentile the objectives apply to.")
     window_seconds: float = Field(default=60.0, gt=0, description="Sliding window for SLO attainment.")
 
 
-class AdmissionPolicy(_Model):
+class AdmissionPolicy(CamelModel):
     default_class: PriorityClass = Field(default=PriorityClass.INTERACTIVE, description="Class when no x-priority.")
     max_inflight: int = Field(default=64, ge=1, description="Concurrent requests forwarded to the upstream.")
     tenant_tokens_per_minute: int | None = Field(
@@ -109,7 +97,7 @@ class AdmissionPolicy(_Model):
     )
 
 
-class ClassPolicy(_Model):
+class ClassPolicy(CamelModel):
     batch_window_ms: float = Field(default=0.0, ge=0, description="How long arrivals are held to release together.")
     max_batch: int = Field(default=1, ge=1, description="Release early once this many are held.")
     max_queue: int = Field(default=64, ge=1, description="Bound on requests waiting in this class.")
@@ -121,7 +109,7 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class ClassesPolicy(_Model):
+class ClassesPolicy(CamelModel):
     interactive: ClassPolicy = Field(default_factory=lambda: ClassPolicy.model_validate(_CLASS_DEFAULTS["interactive"]))
     batch: ClassPolicy = Field(default_factory=lambda: ClassPolicy.model_validate(_CLASS_DEFAULTS["batch"]))
 
@@ -148,7 +136,7 @@ def _snake_to_camel(key: str) -> str:
     return to_camel(key) if "_" in key else key
 
 
-class Policy(_Model):
+class Policy(CamelModel):
     output_length: OutputLengthPolicy = Field(default_factory=OutputLengthPolicy)
     slo: SloPolicy = Field(default_factory=SloPolicy)
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
