@@ -1,6 +1,6 @@
 """Proxy overhead and batching-window sweep.
 
-Overhead mode (default): serves the fake engine (`decodeservice.bench.fake_engine`) with uvicorn in the
+Overhead mode (default): serves the fake engine (`tests/support/fake_engine.py`) with uvicorn in the
 load generator's own event loop and starts `decodectl proxy` as a subprocess, both on loopback, then
 runs `--concurrency` concurrent streams directly against the engine and through the proxy, alternating
 for `--rounds` paired rounds. Reports the added p50 TTFT (target < 1 ms), also as the median and
@@ -43,13 +43,16 @@ import httpx
 import uvloop
 
 from decodeservice.bench.client import BenchRequest
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.bench.load import LoadLevel, Sender, run_level
 from decodeservice.bench.metrics import RequestRecord
 from decodeservice.bench.procs import ChildServer, decodectl, free_port
 from decodeservice.proxy.streaming import SseMeter
 from decodeservice.proxy.transport import UpstreamTransport
 from decodeservice.serving.stats import percentile
+
+# The fake engine is test support, outside the installed packages: this study runs from a checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
