@@ -5,8 +5,10 @@ It is a real Starlette app served by uvicorn on loopback, in the caller's event 
 (`serve_loopback`) or as its own process (`python tests/support/fake_engine.py --ttft 0.15 --itl 0.04`
 prints `PORT <n>` once it listens on 127.0.0.1, so its timing does not share the caller's loop). It
 streams `max_tokens` tokens (SSE), `tokens_per_chunk` per chunk: the first chunk `ttft_s` after the
-request arrived, then one every `itl_s`, against absolute deadlines so event-loop jitter does not
-accumulate. It can be told to fail with a status, to die mid-stream (the connection breaks without a
+request, then one every `itl_s`. With `deadlines` (the process's default) chunk c is due at arrival +
+ttft + c * itl, so a late wake-up is caught up and a client's measurements can be checked against the
+exact truth; without, each chunk waits `itl_s` after the one before, as an engine's steps do (the
+proxy overhead benchmark's pacing). It can be told to fail with a status, to die mid-stream (the connection breaks without a
 terminating chunk), to report itself unready, to leave out the usage chunk or the model list. It
 records the bodies it received (also at GET /debug/requests) and which streams were cancelled.
 """
@@ -46,6 +48,7 @@ class FakeEngine:
     itl_s: float = 0.0
     default_tokens: int = 16
     tokens_per_chunk: int = 1
+    deadlines: bool = False  # pace chunks against absolute deadlines from arrival (see the docstring)
     usage: bool = True  # send the usage chunk when the request asks for it (stream_options.include_usage)
     list_models: bool = True  # False: GET /v1/models is a 404, as on some servers
     ready: bool = True
@@ -117,8 +120,10 @@ class FakeEngine:
                 yield _sse(_chat_chunk({"role": "assistant", "content": ""}, None))
             k = self.tokens_per_chunk
             for c, first in enumerate(range(0, n, k)):
-                # Absolute deadlines from arrival: a late wake-up does not delay every later chunk.
-                await asyncio.sleep(max(0.0, arrived + self.ttft_s + c * self.itl_s - time.perf_counter()))
+                if self.deadlines:
+                    await asyncio.sleep(max(0.0, arrived + self.ttft_s + c * self.itl_s - time.perf_counter()))
+                else:
+                    await asyncio.sleep(self.itl_s if c else self.ttft_s)
                 if self.die_after_tokens is not None and first >= self.die_after_tokens:
                     raise EngineCrash("injected mid-stream death")
                 text = "".join(f" t{i}" for i in range(first, min(n, first + k)))
@@ -212,7 +217,7 @@ def main() -> None:
     parser.add_argument("--no-models", action="store_true", help="no GET /v1/models (404), as on some servers")
     args = parser.parse_args()
     engine = FakeEngine(ttft_s=args.ttft, itl_s=args.itl, default_tokens=args.tokens,
-                        tokens_per_chunk=args.tokens_per_chunk, usage=not args.no_usage,
+                        tokens_per_chunk=args.tokens_per_chunk, deadlines=True, usage=not args.no_usage,
                         list_models=not args.no_models)
     sock = socket.socket()
     sock.bind(("127.0.0.1", args.port))
