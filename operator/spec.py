@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from decodeservice.engine.config import SpeculativeConfig, field_default
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
@@ -73,7 +74,8 @@ class ModelSpec(CamelModel):
 
 class SpeculativeSpec(CamelModel):
     method: SpecMethod = SpecMethod.NONE
-    num_tokens: int = Field(4, ge=1, le=16)
+    # The engine's own default (adaptive k up to it); crds/decodeservice.yaml repeats it (tests/test_defaults.py).
+    num_tokens: int = Field(field_default(SpeculativeConfig, "num_tokens"), ge=1, le=16)
     draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
 
 
