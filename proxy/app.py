@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -94,24 +95,31 @@ class ErrorBoundary:
             self.metrics.rejected.labels(exc.reason).inc()
 
 
-class ProxyApp(Starlette):
-    """Starlette, except that POSTs to the completion paths go straight to the policy chain.
+class ProxyApp:
+    """The proxy's ASGI app: POSTs to the completion paths go straight to the policy chain, the rest
+    to a Starlette router.
 
     Starlette's error and exception middleware each wrap `send`, a call per chunk of every stream. The
     chain has its own error boundary, and an unexpected exception is answered 500 by uvicorn just as
     by that middleware, so skipping it changes nothing a client sees. The same routes stay in the
-    router for anything the shortcut does not match exactly.
+    router for anything the shortcut does not match exactly. Composition over the public ASGI
+    interface, so no Starlette internals are overridden.
     """
 
-    completions: ASGIApp | None = None
+    def __init__(self, router: Starlette, *, completions: ASGIApp) -> None:
+        self.router = router
+        self.completions = completions
+
+    @property
+    def state(self) -> State:
+        return self.router.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.completions is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"] in COMPLETION_PATHS):
-            scope["app"] = self
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+            scope["app"] = self.router  # what Starlette's Request.app reads, as if routed
             await self.completions(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        await self.router(scope, receive, send)
 
 
 def create_app(
@@ -120,7 +128,7 @@ def create_app(
     *,
     tokenizer_path: str | None = None,
     lifecycle: Lifecycle | None = None,
-) -> Starlette:
+) -> ProxyApp:
     """Build the proxy. `lifecycle` lets the server (or a test) start draining; one is made if absent."""
     metrics = ProxyMetrics(policy)
     lifecycle = lifecycle or Lifecycle(phase=Phase.READY)
@@ -178,8 +186,8 @@ def create_app(
         *(Route(path, method_not_allowed) for path in COMPLETION_PATHS),
         Mount("/", passthrough),
     ]
-    app = ProxyApp(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception_handler})
-    app.completions = completions
+    router = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception_handler})
+    app = ProxyApp(router, completions=completions)
     app.state.policy = policy
     app.state.metrics = metrics
     app.state.lifecycle = lifecycle
