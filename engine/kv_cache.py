@@ -25,6 +25,11 @@ class Block:
     block_hash: int | None = None
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints, e.g. the blocks that hold a tokens: the project's one spelling."""
+    return -(-a // b)
+
+
 def chain_hash(parent_hash: int | None, token_ids: Seq[int]) -> int:
     # Python's hash of a tuple of ints is deterministic across processes (no hash randomisation).
     return hash((parent_hash, tuple(token_ids)))
@@ -54,7 +59,7 @@ class KVCacheManager:
         return 1.0 - len(self._free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold a prefix of `seq`. Nothing is claimed yet."""
