@@ -18,6 +18,7 @@ COPY proxy proxy
 COPY operator operator
 COPY cli cli
 COPY bench bench
+COPY serving serving
 RUN pip install . huggingface_hub
 
 # Cache the bundled model so `bundled://smollm2-135m` needs no network at start.

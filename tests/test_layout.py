@@ -29,3 +29,10 @@ def test_no_installed_module_imports_test_support() -> None:
 def test_the_installed_folders_are_found() -> None:
     names = {p.name for p in _installed_folders()}
     assert {"engine", "proxy", "operator", "cli", "bench", "serving"} <= names
+
+
+def test_the_image_copies_every_installed_folder() -> None:
+    """`pip install .` in the Dockerfile sees only what was copied: a new package folder must be too."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    missing = [p.name for p in _installed_folders() if f"COPY {p.name} {p.name}" not in dockerfile]
+    assert missing == []
