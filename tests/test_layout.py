@@ -6,6 +6,8 @@ import ast
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,15 +16,29 @@ def _installed_folders() -> list[Path]:
     return [ROOT / folder for folder in config["tool"]["setuptools"]["package-dir"].values()]
 
 
-def test_no_installed_module_imports_test_support() -> None:
-    offenders = []
+def _imports_of_installed_modules() -> list[tuple[str, str]]:
+    """(file, imported module) for every import in the installed folders."""
+    found = []
     for folder in _installed_folders():
         for path in folder.rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                              if n == "tests" or n.startswith("tests.") or "fake_engine" in n]
+                found += [(str(path.relative_to(ROOT)), n) for n in names]
+    return found
+
+
+def test_no_installed_module_imports_test_support() -> None:
+    offenders = [f"{path}: {name}" for path, name in _imports_of_installed_modules()
+                 if name == "tests" or name.startswith("tests.") or "fake_engine" in name]
+    assert offenders == []
+
+
+@pytest.mark.xfail(strict=True, reason="bench/kube_emulator.py (kmock, a test extra) moves to tests/support/ "
+                   "once the operator branch that edits it is merged; then drop this marker")
+def test_no_installed_module_imports_the_test_only_kmock() -> None:
+    offenders = [f"{path}: {name}" for path, name in _imports_of_installed_modules()
+                 if name == "kmock" or name.startswith("kmock.")]
     assert offenders == []
 
 
