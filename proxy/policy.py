@@ -56,6 +56,11 @@ __all__ = [
 ]
 
 
+# The shared camelCase base (decodeservice.serving.camel_model); the short local name keeps this file's
+# many class lines, and the branches that add to them, unchanged.
+_Model = CamelModel
+
+
 class LengthMode(enum.StrEnum):
     CLAMP = "clamp"
     REJECT = "reject"
@@ -66,7 +71,7 @@ class PriorityClass(enum.StrEnum):
     BATCH = "batch"
 
 
-class OutputLengthPolicy(CamelModel):
+class OutputLengthPolicy(_Model):
     max_output_tokens: int = Field(default=2048, ge=1, description="Cap on max_tokens / max_completion_tokens.")
     mode: LengthMode = Field(default=LengthMode.CLAMP, description="clamp: lower the limit to the cap; reject: 400.")
     default_max_tokens: int = Field(default=256, ge=1, description="Injected when the client sends no limit.")
@@ -82,14 +87,14 @@ class OutputLengthPolicy(CamelModel):
         return self
 
 
-class SloPolicy(CamelModel):
+class SloPolicy(_Model):
     ttft_ms: float = Field(default=1000.0, gt=0, description="Time-to-first-token objective, milliseconds.")
     itl_ms: float = Field(default=200.0, gt=0, description="Inter-token latency objective, milliseconds.")
     percentile: float = Field(default=95.0, gt=0, le=100, description="Percentile the objectives apply to.")
     window_seconds: float = Field(default=60.0, gt=0, description="Sliding window for SLO attainment.")
 
 
-class AdmissionPolicy(CamelModel):
+class AdmissionPolicy(_Model):
     default_class: PriorityClass = Field(default=PriorityClass.INTERACTIVE, description="Class when no x-priority.")
     max_inflight: int = Field(default=64, ge=1, description="Concurrent requests forwarded to the upstream.")
     tenant_tokens_per_minute: int | None = Field(
@@ -97,7 +102,7 @@ class AdmissionPolicy(CamelModel):
     )
 
 
-class ClassPolicy(CamelModel):
+class ClassPolicy(_Model):
     batch_window_ms: float = Field(default=0.0, ge=0, description="How long arrivals are held to release together.")
     max_batch: int = Field(default=1, ge=1, description="Release early once this many are held.")
     max_queue: int = Field(default=64, ge=1, description="Bound on requests waiting in this class.")
@@ -109,7 +114,7 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class ClassesPolicy(CamelModel):
+class ClassesPolicy(_Model):
     interactive: ClassPolicy = Field(default_factory=lambda: ClassPolicy.model_validate(_CLASS_DEFAULTS["interactive"]))
     batch: ClassPolicy = Field(default_factory=lambda: ClassPolicy.model_validate(_CLASS_DEFAULTS["batch"]))
 
@@ -136,7 +141,7 @@ def _snake_to_camel(key: str) -> str:
     return to_camel(key) if "_" in key else key
 
 
-class Policy(CamelModel):
+class Policy(_Model):
     output_length: OutputLengthPolicy = Field(default_factory=OutputLengthPolicy)
     slo: SloPolicy = Field(default_factory=SloPolicy)
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
