@@ -25,11 +25,6 @@ class Block:
     block_hash: int | None = None
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative ints, e.g. the blocks that hold a tokens: the project's one spelling."""
-    return -(-a // b)
-
-
 def chain_hash(parent_hash: int | None, token_ids: Seq[int]) -> int:
     # Python's hash of a tuple of ints is deterministic across processes (no hash randomisation).
     return hash((parent_hash, tuple(token_ids)))
@@ -165,3 +160,8 @@ class KVCacheManager:
             self._free[block_id] = None
             if block.block_hash is None:
                 self._free.move_to_end(block_id, last=False)  # nothing to reuse: evict first
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints, e.g. the blocks that hold a tokens: the project's one spelling."""
+    return -(-a // b)
