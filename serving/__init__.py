@@ -4,5 +4,6 @@
 - `server`: `DrainingServer`, uvicorn with SIGTERM meaning "drain, then exit 0";
 - `body`: reading a request body under a size limit (413);
 - `errors`: `OpenAIError` and its subclasses, the one OpenAI error vocabulary and renderer;
-- `camel_model`: `CamelModel`, the pydantic base of the proxy policy and the DecodeService spec.
+- `camel_model`: `CamelModel`, the pydantic base of the proxy policy and the DecodeService spec;
+- `stats`: `percentile`, the one percentile rule (the proxy's SLOs, `decodectl bench`, the studies).
 """
