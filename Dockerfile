@@ -15,6 +15,7 @@ WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY engine engine
 COPY proxy proxy
+COPY serving serving
 COPY operator operator
 COPY cli cli
 COPY bench bench

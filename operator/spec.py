@@ -19,12 +19,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError
 
+from decodeservice.engine.config import SpeculativeConfig, field_default
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
+from decodeservice.serving.camel_model import CamelModel
 
 GROUP = "decode.dev"
 VERSION = "v1alpha1"
@@ -43,10 +44,9 @@ MODEL_URI_PATTERN = (
 _MODEL_URI = re.compile(MODEL_URI_PATTERN)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid", frozen=True,
-    )
+# The shared camelCase base (decodeservice.serving.camel_model); the short local name keeps this file's
+# many class lines, and the branches that add to them, unchanged.
+_Model = CamelModel
 
 
 class EngineKind(enum.StrEnum):
@@ -79,7 +79,8 @@ class ModelSpec(_Model):
 
 class SpeculativeSpec(_Model):
     method: SpecMethod = SpecMethod.NONE
-    num_tokens: int = Field(4, ge=1, le=16)
+    # The engine's own default (adaptive k up to it); crds/decodeservice.yaml repeats it (tests/test_defaults.py).
+    num_tokens: int = Field(field_default(SpeculativeConfig, "num_tokens"), ge=1, le=16)
     draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
 
 
