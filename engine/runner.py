@@ -90,7 +90,7 @@ class ModelRunner:
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attn=StepAttention(meta=meta, backend=self.attention_backend),
+            attn=StepAttention(meta=self.attention_backend.plan(meta, dtype=self.dtype), backend=self.attention_backend),
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=self.device),
         )
         return batch, row_counts

@@ -12,6 +12,10 @@ from decodeservice.engine.attention.metadata import AttentionMetadata
 class AttentionBackend(Protocol):
     name: str
 
+    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        """Once per step: add what the backend derives from the spans for every layer to reuse."""
+        ...
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (N, H, D) and the step's own k/v (N, Hkv, D), already written to the caches

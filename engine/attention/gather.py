@@ -28,6 +28,9 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
 class GatherBackend:
     name = "gather"
 
+    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        return meta
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)  # (N, H, D)

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from decodeservice.engine.attention.short_group import ShortGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +48,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) pool slot each new token's K/V is written to
     spans: tuple[SequenceSpan, ...]  # in packed order, covering tokens 0 .. N - 1
     block_size: int
+    # Short sequences batched into one padded call (CPU backend); built once per step, used per layer.
+    short_group: ShortGroup | None = None
 
 
 def slot_runs(block_ids: Seq[int], *, num_tokens: int, block_size: int) -> tuple[SlotRun, ...]:

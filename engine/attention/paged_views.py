@@ -12,10 +12,13 @@ sees every prefix key. Measured against today's gather + masked SDPA in benchmar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
+from decodeservice.engine.attention.short_group import build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -72,10 +75,15 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
 
 
 class PagedViewsBackend:
-    """The CPU backend. Python loops over sequences, so its cost per step grows with the batch: about
-    one kernel call per sequence and layer (benchmarks/long_context.py measures what that costs)."""
+    """The CPU backend. Sequences are read in place one by one, except that short ones share one
+    padded call (short_group.py: the copy is cheaper there than a call per sequence)."""
 
     name = "paged_views"
+
+    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        group = build_short_group(meta.spans, block_size=meta.block_size, device=meta.slot_mapping.device,
+                                  dtype=dtype)
+        return dataclasses.replace(meta, short_group=group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -83,8 +91,19 @@ class PagedViewsBackend:
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         if len(meta.spans) == 1:
             return attend_span(q, k, v, k_flat, v_flat, meta.spans[0])
+        group = meta.short_group
         out = torch.empty_like(q)  # (N, H, D)
-        for span in meta.spans:
+        if group is not None:
+            attended = group.attend(q, k_cache, v_cache)  # (B, Q, H, D)
+            if group.covers_all_in_order:
+                if len(group.span_indices) == len(meta.spans):  # the group is the whole step
+                    return attended.reshape(q.shape)
+                out[: attended.shape[0] * attended.shape[1]] = attended.flatten(0, 1)
+            else:
+                out[group.query_index[group.query_valid]] = attended[group.query_valid]
+        for i, span in enumerate(meta.spans):
+            if group is not None and i in group.span_indices:
+                continue
             s, e = span.token_start, span.token_start + span.num_new
             out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span)
         return out

@@ -19,12 +19,13 @@ from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.attention.metadata import trim_runs
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
 
-H, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 48
+H, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 200
 
 # (new tokens Q, context L, contiguous blocks?): decode, a prompt chunk over a cached prefix,
-# verifies with unequal drafts, a prompt with nothing cached, a decode over one run.
+# verifies with unequal drafts, a prompt with nothing cached, a decode over one run, and a verify and
+# a decode longer than the CPU backend batches with the others (short_group.MAX_CONTEXT).
 SEQUENCES = [(1, 13, False), (9, 23, False), (3, 10, False), (6, 30, True), (7, 7, False), (1, 16, True),
-             (4, 21, False)]
+             (4, 21, False), (5, 290, False), (1, 260, False)]
 
 
 def test_slot_runs_split_where_blocks_jump() -> None:
@@ -80,8 +81,16 @@ def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0
 @pytest.mark.parametrize("backend", [PagedViewsBackend(), GatherBackend()], ids=lambda b: b.name)
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)],
                          ids=["fp32", "bf16"])
-def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.dtype, atol: float) -> None:
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "per_sequence"])
+def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.dtype, atol: float,
+                                        planned: bool) -> None:
+    # Planned, the CPU backend batches the short sequences into one padded call and reads the two
+    # long ones in place; unplanned, it reads every sequence in place.
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
+    if planned:
+        step = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
+        if backend.name == "paged_views":
+            assert step.meta.short_group is not None and len(step.meta.short_group.span_indices) == 7
     out = attend(q, k, v, k_cache, v_cache, step)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
