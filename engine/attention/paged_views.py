@@ -21,6 +21,8 @@ from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceS
 from decodeservice.engine.attention.short_group import build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# Beyond this many runs of slots a sequence's cached keys are gathered into one piece (see below).
+MAX_RUNS = 4
 
 
 def _prefix_piece(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, run: SlotRun
@@ -36,6 +38,20 @@ def _prefix_piece(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, r
     values = v_flat[run.first_slot : end].permute(1, 0, 2).unsqueeze(0)
     out, lse = _flash(folded, keys, values)  # (1, Hkv, G*Q, D), (1, Hkv, G*Q)
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d), lse.view(hkv, g, t).permute(2, 0, 1).reshape(t, h)
+
+
+def _prefix_pieces(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, runs: list[SlotRun]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One piece per run; a table scattered over more than MAX_RUNS runs is gathered into one.
+
+    Each run costs a kernel call and a term of the merge, so on a fragmented table (a pool that has
+    been churned for long) a copy of the keys is cheaper than many tiny calls. The allocator keeps
+    tables in few runs, so this is the exception."""
+    if len(runs) <= MAX_RUNS:
+        return [_prefix_piece(q, k_flat, v_flat, run) for run in runs]
+    slots = torch.cat([torch.arange(r.first_slot, r.first_slot + r.length, device=k_flat.device) for r in runs])
+    whole = SlotRun(first_slot=0, length=slots.shape[0])
+    return [_prefix_piece(q, k_flat.index_select(0, slots), v_flat.index_select(0, slots), whole)]
 
 
 def _fresh_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,16 +76,14 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
     """One sequence's new tokens: q (Q, H, D), fresh k/v (Q, Hkv, D) -> (Q, H, D)."""
     if span.num_new == 1:
         # A single query sees every key, its own included (already written): the pool alone will do.
-        runs = list(span.runs)
-        if len(runs) == 1:
-            return _prefix_piece(q, k_flat, v_flat, runs[0])[0]
-        return _merge([_prefix_piece(q, k_flat, v_flat, run) for run in runs], q.dtype)
+        pieces = _prefix_pieces(q, k_flat, v_flat, list(span.runs))
+        return pieces[0][0] if len(pieces) == 1 else _merge(pieces, q.dtype)
     if span.num_cached == 0:
         attended = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, enable_gqa=True)  # (1, H, Q, D)
         return attended[0].transpose(0, 1)
-    pieces = [_prefix_piece(q, k_flat, v_flat, run) for run in trim_runs(span.runs, span.num_cached)]
+    pieces = _prefix_pieces(q, k_flat, v_flat, trim_runs(span.runs, span.num_cached))
     pieces.append(_fresh_piece(q, k, v))
     return _merge(pieces, q.dtype)
 

@@ -17,7 +17,7 @@ from decodeservice.engine.attention import (
 )
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.attention.metadata import trim_runs
-from decodeservice.engine.attention.paged_views import PagedViewsBackend
+from decodeservice.engine.attention.paged_views import MAX_RUNS, PagedViewsBackend
 
 H, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 200
 
@@ -94,5 +94,7 @@ def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.
     out = attend(q, k, v, k_cache, v_cache, step)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
-    assert sum(len(s.runs) for s in step.meta.spans) > len(SEQUENCES), "the test must cover scattered blocks"
+    runs = [len(s.runs) for s in step.meta.spans]
+    # Covered: one run, a few runs merged by log-sum-exp, and a table too scattered, gathered.
+    assert 1 in runs and any(1 < r <= MAX_RUNS for r in runs) and any(r > MAX_RUNS for r in runs)
 
