@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from decodeservice.engine.attention import (
     SlotRun,
     StepAttention,
     attend,
+    backend_for,
     slot_runs,
 )
 from decodeservice.engine.attention.gather import GatherBackend
@@ -98,3 +101,18 @@ def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.
     # Covered: one run, a few runs merged by log-sum-exp, and a table too scattered, gathered.
     assert 1 in runs and any(1 < r <= MAX_RUNS for r in runs) and any(r > MAX_RUNS for r in runs)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path (gather backend, "
+                    "fused lower-right causal SDPA) is only exercised where one exists")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backend_for_cuda_equals_dense_reference(dtype: torch.dtype) -> None:
+    backend = backend_for(torch.device("cuda"))
+    step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
+    meta = step.meta
+    cuda_meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping.cuda(), block_size=meta.block_size,
+        spans=tuple(dataclasses.replace(s, block_table=s.block_table.cuda()) for s in meta.spans))
+    step = StepAttention(meta=backend.plan(cuda_meta, dtype=dtype), backend=backend)
+    out = attend(q.cuda(), k.cuda(), v.cuda(), k_cache.cuda(), v_cache.cuda(), step)
+    torch.testing.assert_close(out.double().cpu(), reference, atol=3e-2, rtol=0)
