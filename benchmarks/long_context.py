@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,7 @@ def main() -> int:
         "threads": args.threads, "engine_dtype": "float32", "decode_tokens": args.decode_tokens,
         "note": "one run on a machine shared with other jobs; the engine's attention backend: "
                 + engine.runner.attention_backend.name,
+        "load_average_1min_at_start": os.getloadavg()[0],  # above the thread count: figures are contended
         "engine_short_context_decode_tokens_per_s": engine_clocks(
             engine, questions[0][:8], args.decode_tokens)["decode_tokens_per_s"],
         "contexts": {},
@@ -215,6 +217,7 @@ def main() -> int:
     result["attention_per_layer_call"] = attention_options(contexts, args.repeats)
     if args.flex:
         result["attention_per_layer_call"]["flex_attention"] = flex_probe(max(contexts), args.repeats)
+    result["load_average_1min_at_end"] = os.getloadavg()[0]
     result["targets"] = targets(result, contexts)
     text = json.dumps(result, indent=2)
     print(text)
