@@ -188,6 +188,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         new_tokens: list[int] = []
+        reason = None
         for position, token in enumerate(candidates):
             seq.output_token_ids.append(token)
             new_tokens.append(token)
@@ -195,11 +196,14 @@ class Engine:
                 seq.logprobs.append(token_logprob(rows[position], token, seq.params.logprobs))
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self._finish(seq, reason)
                 break
         self.generation_tokens_total += len(new_tokens)
-        if not seq.is_finished:
-            self.kv.cache_full_blocks(seq)
+        # Publish before finishing too: the last chunk of a prompt that ends here (one-token answers,
+        # a stop at once) would otherwise never reach the prefix cache, and a follow-up on the same
+        # long prompt would recompute up to a whole chunk of it.
+        self.kv.cache_full_blocks(seq)
+        if reason is not None:
+            self._finish(seq, reason)
         return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

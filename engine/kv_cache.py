@@ -91,8 +91,8 @@ class KVCacheManager:
             seq.num_computed_tokens = num_computed
             seq.num_cached_tokens = num_computed
             self._seq_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached_blocks]  # type: ignore[misc]
-        for _ in range(max(needed, 0)):
-            seq.block_ids.append(self._pop_free())
+        if needed > 0:
+            seq.block_ids.extend(self._pop_free_run(needed, after=seq.block_ids[-1] if seq.block_ids else None))
         return True
 
     def record_prefix_lookup(self, *, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -104,7 +104,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
+        # A sequence that stopped inside a verified run has fewer tokens than computed slots.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if len(hashes) >= num_full:
             return
         tokens = seq.token_ids
@@ -142,8 +143,26 @@ class KVCacheManager:
             del self._free[block_id]
         block.ref_count += 1
 
+    def _pop_free_run(self, count: int, *, after: int | None) -> list[int]:
+        """`count` free blocks, laid out so attention can read them as few runs of consecutive slots.
+
+        The block right after the sequence's last one is taken first when it is free and holds no
+        cached prefix (taking it evicts nothing). The rest are the least recently freed blocks, as
+        always, but sorted: a finished sequence frees its blocks tail first, so in LRU order they come
+        back descending, and one block per attention call would follow."""
+        taken: list[int] = []
+        nxt = None if after is None else after + 1
+        if nxt is not None and nxt < self.num_blocks and nxt in self._free and self.blocks[nxt].block_hash is None:
+            del self._free[nxt]
+            taken.append(self._reset(nxt))
+        rest = [self._pop_free() for _ in range(count - len(taken))]
+        return taken + sorted(rest)
+
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
+        return self._reset(block_id)
+
+    def _reset(self, block_id: int) -> int:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
