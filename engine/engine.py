@@ -113,13 +113,16 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """`cache_salt`: only requests with the same salt (or all without one) share cached prefixes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
         prompt_ids = self.encode_prompt(prompt)
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority,
-                       generator=make_generator(params, self.device))
+                       cache_salt=cache_salt, generator=make_generator(params, self.device))
         self._requests[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(seq)
@@ -185,6 +188,9 @@ class Engine:
         else:
             candidates = [sample_token(rows[0], seq.params, seq.generator)]
         seq.spec_token_ids = []
+        # Publish before a stop can free the blocks: a request that ends in this step (a one-token
+        # answer) still leaves its prompt's blocks for the next request with the same prefix.
+        self.kv.cache_full_blocks(seq)
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -199,8 +205,6 @@ class Engine:
                 self._finish(seq, reason)
                 break
         self.generation_tokens_total += len(new_tokens)
-        if not seq.is_finished:
-            self.kv.cache_full_blocks(seq)
         return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from decodeservice.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
 
 
 class ApiError(Exception):
@@ -82,6 +83,8 @@ class _SamplingRequest(BaseModel):
     user: str | None = None  # accepted, used for nothing
     ignore_eos: bool = False  # vLLM extension; benchmarks use it to fix output lengths
     priority: int = 0  # vLLM extension; lower runs first
+    # vLLM extension: only requests with the same salt share cached prefixes (per-tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop")
     @classmethod
