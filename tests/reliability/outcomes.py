@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -72,7 +73,8 @@ def classify_events(status: int, events: list[str]) -> Seen:
 
 
 async def request(client: httpx.AsyncClient, path: str, body: dict[str, Any], *, headers: dict[str, str] | None = None,
-                  deadline_s: float = 60.0, stop_after_chunks: int | None = None) -> Seen:
+                  deadline_s: float = 60.0, stop_after_chunks: int | None = None,
+                  on_event: Callable[[str], None] | None = None) -> Seen:
     """Send one request and classify what came back. `stop_after_chunks`: disconnect after that many
     SSE events (a client that goes away). Past `deadline_s` the request counts as lost (a hang)."""
     try:
@@ -87,6 +89,8 @@ async def request(client: httpx.AsyncClient, path: str, body: dict[str, Any], *,
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
+                        if on_event is not None:
+                            on_event(line[6:])
                         if stop_after_chunks is not None and len(events) >= stop_after_chunks:
                             return Seen(Outcome.DISCONNECTED, r.status_code)
                 return classify_events(r.status_code, events)
