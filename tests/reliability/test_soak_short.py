@@ -48,13 +48,16 @@ async def test_short_soak(engine_srv: RunningServer, record: Callable[[Tally], d
         assert summary["lost"] == 0 and summary["tried"] >= 3
         full, left = summary["outcomes"].get("full", 0), summary["outcomes"].get("disconnected", 0)
         proxy_after, engine_after = scrape(await s.proxy_metrics()), engine_srv.metrics()
-        assert total(proxy_after, "decode_proxy:requests_total") - total(
-            proxy_before, "decode_proxy:requests_total") == summary["tried"]
-        aborted = (total(engine_after, "vllm:request_success_total", finished_reason="abort")
-                   - total(engine_before, "vllm:request_success_total", finished_reason="abort"))
-        finished = (total(engine_after, "vllm:request_success_total")
-                    - total(engine_before, "vllm:request_success_total") - aborted)
-        assert (finished, aborted) == (full, left)
+        def delta(after: Any, before: Any, name: str, **labels: str) -> float:
+            return total(after, name, **labels) - total(before, name, **labels)
+
+        assert delta(proxy_after, proxy_before, "decode_proxy:requests_total") == summary["tried"]
+        aborted = delta(engine_after, engine_before, "vllm:request_success_total", finished_reason="abort")
+        finished = delta(engine_after, engine_before, "vllm:request_success_total") - aborted
+        # Both sides agree exactly; a client that left after its last token is a 200 and finished on both.
+        assert delta(proxy_after, proxy_before, "decode_proxy:requests_total", status="200") == finished
+        assert delta(proxy_after, proxy_before, "decode_proxy:requests_total", status="499") == aborted
+        assert full <= finished <= full + left and finished + aborted == full + left
         # Back to where it started: no task outlives its request, and the fds are at most the kept-alive
         # pools (client->proxy and proxy->engine, both ends in this process: 4 per worker), where a leak
         # per request would be dozens.
