@@ -205,6 +205,8 @@ class Engine:
                 self._finish(seq, reason)
                 break
         self.generation_tokens_total += len(new_tokens)
+        if not seq.is_finished:  # accepted drafts are in the token list only now
+            self.kv.cache_full_blocks(seq)
         return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

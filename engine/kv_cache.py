@@ -132,7 +132,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
+        # Accepted speculative tokens count as computed a moment before they join the token list; a
+        # block is published only once all of its tokens are known.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if len(hashes) >= num_full:
             return
         tokens = seq.token_ids
