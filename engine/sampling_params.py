@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from decodeservice.engine.errors import InvalidRequestError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM accepts
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM (_SAMPLING_EPS): a temperature this small is greedy in effect, and dividing logits by
+        # a subnormal one overflows to inf, whose softmax is NaN and killed the engine loop (found by
+        # tests/reliability/test_fuzz.py).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _finite(value: object) -> bool:

@@ -125,6 +125,7 @@ def test_fuzz_engine_http_api(small_engine: RunningServer, record: Record) -> No
         @example(case_=("/v1/completions", {"prompt": "x", "max_tokens": 1, "seed": 2**64}), raw=None)
         @example(case_=("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
                                                  "seed": -(2**63) - 1, "priority": 2**80}), raw=None)
+        @example(case_=("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 5e-324}), raw=None)
         def case(case_: tuple[str, Any], raw: bytes | None) -> None:
             path, body = case_
             seen = _post(client, path, _payload(body, raw), {})
