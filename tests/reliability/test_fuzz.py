@@ -257,6 +257,7 @@ def test_fuzz_gguf_headers(record: Record) -> None:
         @fuzz_settings(150)
         @given(kind=st.sampled_from(["truncate", "flip", "random", "overwrite"]), seed=st.integers(0, 2**32),
                junk=st.binary(min_size=1, max_size=64))
+        @example(kind="flip", seed=215117, junk=b"\x00")  # a corrupted tokenizer key was a bare KeyError
         def case(kind: str, seed: int, junk: bytes) -> None:
             rnd = random.Random(seed)
             data = bytearray(good)
