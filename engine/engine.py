@@ -112,13 +112,16 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """`cache_salt`: only requests with the same salt (or all without one) share cached prefixes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
         prompt_ids = self.encode_prompt(prompt)
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority,
-                       generator=make_generator(params, self.device))
+                       cache_salt=cache_salt, generator=make_generator(params, self.device))
         self._requests[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(seq)
