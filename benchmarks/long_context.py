@@ -193,7 +193,7 @@ def main() -> int:
         try:
             from llama_cpp import Llama
         except ImportError:
-            result["llama_cpp"] = "skipped: llama-cpp-python is not installed (pip install '.[bench]')"
+            result["llama_cpp"] = "skipped: llama-cpp-python is not installed (pip install '.[peers]')"
         else:
             from decodeservice.engine.loader import ensure_model
 
