@@ -149,11 +149,11 @@ class HpaLike:
     """The HPA's algorithm on per-pod averages of KV usage and engine waiting requests."""
 
     def __init__(self, *, waiting_target: float, kv_target: float = 0.8, min_replicas: int, max_replicas: int,
-                 sync: float = 15.0, tolerance: float = 0.1, down_window: float = 300.0) -> None:
+                 initial: int, sync: float = 15.0, tolerance: float = 0.1, down_window: float = 300.0) -> None:
         self.targets = {"kv_cache_usage": kv_target, "engine_waiting": waiting_target}
         self.min, self.max, self.sync, self.tol, self.down_window = min_replicas, max_replicas, sync, tolerance, down_window
         self.next_sync = 0.0
-        self.recs: deque[tuple[float, int]] = deque()
+        self.recs: deque[tuple[float, int]] = deque([(0.0, initial)])  # as if it had been running
 
     def _metric(self, obs: FleetObservation, name: str, target: float, current: int) -> int:
         values = [float(getattr(s, name) or 0.0) for s in obs.samples]
@@ -215,9 +215,9 @@ def ours_settings(min_r: int, max_r: int, target: int) -> AutoscalerSettings:
 def traces(r1: float) -> list[Trace]:
     """Rates in units of one replica's sustainable rate r1, so the shapes do not depend on the machine."""
     return [
-        staged([x * r1 for x in (1, 2, 4, 6, 8, 6, 4, 2, 1)], 360.0),
-        day(0.8 * r1, 8 * r1, 3600.0),
-        bursts(2 * r1, 7 * r1, [600.0, 1500.0, 2400.0], 180.0, 3000.0),
+        staged([x * r1 for x in (1, 2, 4, 6, 8, 6, 4, 2, 1)], 600.0),
+        day(0.8 * r1, 8 * r1, 7200.0),
+        bursts(2 * r1, 7 * r1, [900.0, 2700.0, 4500.0], 180.0, 5400.0),
     ]
 
 
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       initial=peak_n, seed=args.seed)}
         for w in waits:
             runs[f"hpa (kv 0.8, waiting {w:g})"] = simulate(
-                trace, HpaLike(waiting_target=w, min_replicas=lim[0], max_replicas=lim[1]),
+                trace, HpaLike(waiting_target=w, min_replicas=lim[0], max_replicas=lim[1], initial=start_n),
                 profile=profile, initial=start_n, seed=args.seed)
         ours = Ours(ours_settings(*lim, args.target_inflight))
         runs["ours"] = simulate(trace, ours, profile=profile, initial=start_n, seed=args.seed)

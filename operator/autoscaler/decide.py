@@ -153,7 +153,13 @@ class Autoscaler:
         self._last_ready = 0
         self._first_data_at: float | None = None  # no scale-down before one stable window of data
         self._signals: deque[tuple[float, float]] = deque()  # (at, stable s): the floor's memory
+        self._capacity = float(settings.target_inflight_per_replica)  # learned knee, see _calibrate
         self.update_settings(settings)
+
+    @property
+    def capacity(self) -> float:
+        """In flight + queued per replica the fleet is sized for: the target, or the knee s revealed."""
+        return self._capacity
 
     @property
     def settings(self) -> AutoscalerSettings:
@@ -162,6 +168,7 @@ class Autoscaler:
     def update_settings(self, settings: AutoscalerSettings) -> None:
         """The spec changed: new bounds and targets apply from the next tick; the history stays."""
         self._settings = settings
+        self._capacity = min(self._capacity, float(settings.target_inflight_per_replica))
         horizon = max(settings.stable_window_seconds, settings.panic_window_seconds) + 2 * settings.interval_seconds
         old = getattr(self, "_history", None)
         self._history = FleetHistory(horizon_seconds=horizon,
@@ -258,23 +265,43 @@ class Autoscaler:
                     kv_usage=mean("kv_cache_usage"), engine_waiting=mean("engine_waiting"))
         return statuses, load
 
+    def _calibrate(self, load: Load, scraped: int) -> None:
+        """Learn the demand per replica the engine carries at the up threshold (its knee) from s.
+
+        Starts at target_inflight_per_replica and never exceeds it. A signal at or over the up point at
+        per-replica demand d puts the knee at d x threshold / s (s counted at most twice the threshold, so
+        a queue explosion halves the estimate at most); a signal under the down point at demand d raises
+        the estimate back towards the target, by the same linear projection.
+        """
+        st = self._settings
+        target = float(st.target_inflight_per_replica)
+        d = load.demand_stable / scraped if scraped > 0 else 0.0
+        up = st.scale_up_threshold
+        s_rec, s = load.signal_recent, load.signal_stable
+        if d > 0 and s_rec is not None and s_rec >= up:
+            self._capacity = max(1.0, min(self._capacity, d * up / min(s_rec, 2 * up)))
+        elif d > 0 and s is not None and s < st.scale_down_threshold:
+            self._capacity = max(self._capacity, d * up / max(s, 1e-9))
+        self._capacity = min(self._capacity, target)
+
     def _recommend(self, now: float, current: int, ready: int, failed: int, load: Load) -> tuple[int, str]:
         """The raw recommendation for this tick, before stabilization, and why."""
         st = self._settings
-        target = float(st.target_inflight_per_replica)
         scraped = ready - failed
+        self._calibrate(load, scraped)
+        cap = self._capacity
         # Failed pods, as the HPA treats missing metrics: no load when scaling up, at target when down.
         d_up = load.demand_stable
         d_panic = load.demand_panic
         s_rec = load.signal_recent
         cls = load.worst_class or "-"
         ups: list[tuple[int, str]] = []
-        if d_up / target > current * (1 + st.tolerance):
-            ups.append((math.ceil(d_up / target),
-                        f"demand {d_up:.1f} in flight+queued over {target:g} per replica"))
+        if d_up / cap > current * (1 + st.tolerance):
+            ups.append((math.ceil(d_up / cap), f"demand {d_up:.1f} in flight+queued over {cap:.1f} per replica"))
         if s_rec is not None and s_rec >= st.scale_up_threshold:
-            ups.append((max(scraped + 1, math.ceil(scraped * s_rec / st.scale_up_threshold)),
-                        f"SLO signal {s_rec:.2f} ({cls}) >= {st.scale_up_threshold:g}"))
+            ups.append((max(scraped + 1, math.ceil(d_up / cap)),
+                        f"SLO signal {s_rec:.2f} ({cls}) >= {st.scale_up_threshold:g}, "
+                        f"{cap:.1f} in flight per replica"))
         kv, waiting = load.kv_usage, load.engine_waiting
         if kv is not None and kv > st.kv_usage_threshold:
             ups.append((max(scraped + 1, math.ceil(scraped * kv / st.kv_usage_threshold)),
@@ -283,13 +310,13 @@ class Autoscaler:
             ups.append((scraped + 1, f"engine waiting {waiting:.1f}/pod > {st.waiting_threshold:g}"))
 
         s_panic = load.signal_panic
-        trigger = d_panic / target >= st.panic_threshold * max(scraped, 1) or (
+        trigger = d_panic / cap >= st.panic_threshold * max(scraped, 1) or (
             s_panic is not None and s_panic >= st.panic_threshold * st.scale_up_threshold)
         if trigger:
             self._panic_until = now + st.stable_window_seconds
         if self._panic_until > now:
-            by_lat = math.ceil(scraped * (s_panic or 0.0) / st.scale_up_threshold)
-            ups.append((max(math.ceil(d_panic / target), by_lat),
+            by_lat = scraped + 1 if (s_panic or 0.0) >= st.scale_up_threshold else 0
+            ups.append((max(math.ceil(d_panic / cap), by_lat),
                         f"panic: short-window demand {d_panic:.1f}, signal {s_panic or 0.0:.2f}"))
         best = max(ups, default=None)
         if best is not None and best[0] > current:
@@ -309,7 +336,7 @@ class Autoscaler:
     def _project_down(self, current: int, ready: int, failed: int, load: Load) -> tuple[int, str]:
         """The fewest replicas onto which the load, projected, stays under every down threshold."""
         st = self._settings
-        target = float(st.target_inflight_per_replica)
+        target = self._capacity
         d_down = max(load.demand_stable, load.demand_panic) + target * failed
         s = load.signal_stable or 0.0
         floor = min((v for _, v in self._signals), default=0.0)
