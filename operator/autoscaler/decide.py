@@ -299,15 +299,15 @@ class Autoscaler:
         if d_up / cap > current * (1 + st.tolerance):
             ups.append((math.ceil(d_up / cap), f"demand {d_up:.1f} in flight+queued over {cap:.1f} per replica"))
         if s_rec is not None and s_rec >= st.scale_up_threshold:
-            ups.append((max(scraped + 1, math.ceil(d_up / cap)),
+            ups.append((max(ready + 1, math.ceil(d_up / cap)),
                         f"SLO signal {s_rec:.2f} ({cls}) >= {st.scale_up_threshold:g}, "
                         f"{cap:.1f} in flight per replica"))
         kv, waiting = load.kv_usage, load.engine_waiting
         if kv is not None and kv > st.kv_usage_threshold:
-            ups.append((max(scraped + 1, math.ceil(scraped * kv / st.kv_usage_threshold)),
+            ups.append((max(ready + 1, math.ceil(ready * kv / st.kv_usage_threshold)),
                         f"KV cache {kv:.0%} > {st.kv_usage_threshold:.0%}"))
         if waiting is not None and waiting > st.waiting_threshold:
-            ups.append((scraped + 1, f"engine waiting {waiting:.1f}/pod > {st.waiting_threshold:g}"))
+            ups.append((ready + 1, f"engine waiting {waiting:.1f}/pod > {st.waiting_threshold:g}"))
 
         s_panic = load.signal_panic
         trigger = d_panic / cap >= st.panic_threshold * max(scraped, 1) or (
@@ -315,7 +315,7 @@ class Autoscaler:
         if trigger:
             self._panic_until = now + st.stable_window_seconds
         if self._panic_until > now:
-            by_lat = scraped + 1 if (s_panic or 0.0) >= st.scale_up_threshold else 0
+            by_lat = ready + 1 if (s_panic or 0.0) >= st.scale_up_threshold else 0
             ups.append((max(math.ceil(d_panic / cap), by_lat),
                         f"panic: short-window demand {d_panic:.1f}, signal {s_panic or 0.0:.2f}"))
         best = max(ups, default=None)
