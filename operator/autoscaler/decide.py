@@ -59,7 +59,8 @@ class AutoscalerSettings:
     scale_up_stabilization_seconds: float = 0.0  # as the HPA: a breach is answered on the tick it shows
     scale_down_stabilization_seconds: float = 300.0  # CRD: autoscaling.scaleDownDelaySeconds
     max_scale_up_step: int = 4  # HPA default: up by 4 pods or ...
-    max_scale_up_ratio: float = 1.0  # ... 100% of current, whichever is more, per decision
+    max_scale_up_ratio: float = 1.0  # ... 100% of current, whichever is more, ...
+    scale_up_period_seconds: float = 15.0  # ... per 15 s (HPA periodSeconds), so 5-s ticks do not compound
     max_scale_down_ratio: float = 0.5  # at most half the pods go in one decision (at least one may)
     panic_threshold: float = 2.0  # Knative's 200%: short-window demand or s twice the up point
     min_panic_observations: int = 20  # a short-window p95 of fewer requests is one outlier, not a burst
@@ -101,7 +102,8 @@ class AutoscalerSettings:
         need(isinstance(self.max_scale_up_step, int), "max_scale_up_step must be an integer")
         need(isinstance(self.min_panic_observations, int) and self.min_panic_observations >= 1,
              "min_panic_observations must be an integer >= 1")
-        for name in ("scale_up_stabilization_seconds", "scale_down_stabilization_seconds"):
+        for name in ("scale_up_stabilization_seconds", "scale_down_stabilization_seconds",
+                     "scale_up_period_seconds"):
             v = getattr(self, name)
             need(math.isfinite(v) and v >= 0, f"{name} must be >= 0, got {v}")
         for cls, obj in self.class_objectives.items():
@@ -148,6 +150,7 @@ class Autoscaler:
 
     def __init__(self, settings: AutoscalerSettings) -> None:
         self._recs: deque[tuple[float, int]] = deque()
+        self._sizes: deque[tuple[float, int]] = deque()  # (at, current replicas): the up step's base
         self._panic_until = -math.inf
         self._fresh_since = -math.inf  # latency before this was measured on fewer ready pods
         self._last_ready = 0
@@ -370,9 +373,13 @@ class Autoscaler:
             self._recs.popleft()
         up_rec = min(r for t, r in self._recs if t >= now - st.scale_up_stabilization_seconds)
         down_rec = max(r for t, r in self._recs if t >= now - st.scale_down_stabilization_seconds)
+        self._sizes.append((now, current))
+        while self._sizes and self._sizes[0][0] <= now - st.scale_up_period_seconds:
+            self._sizes.popleft()
         if current < up_rec:
-            step = max(st.max_scale_up_step, math.ceil(current * st.max_scale_up_ratio))
-            desired = min(up_rec, current + step)
+            base = min(n for _, n in self._sizes)  # replicas at the start of the period
+            step = max(st.max_scale_up_step, math.ceil(base * st.max_scale_up_ratio))
+            desired = max(min(up_rec, base + step), current)
             if desired < raw:
                 why += f" (step bounded to +{step})"
         elif current > down_rec:
