@@ -205,11 +205,12 @@ def sustainable_rate(profile: EngineProfile, *, seed: int) -> float:
     return lo
 
 
-def ours_settings(min_r: int, max_r: int, target: int) -> AutoscalerSettings:
+def ours_settings(min_r: int, max_r: int, target: int, **thresholds: float) -> AutoscalerSettings:
+    """The defaults, with the sim's objectives (and, for a sweep, other thresholds)."""
     i, b = OBJECTIVES["interactive"], OBJECTIVES["batch"]
     return AutoscalerSettings(min_replicas=min_r, max_replicas=max_r, ttft_seconds=i.ttft_s, itl_seconds=i.itl_s,
                               class_objectives={"batch": Objective(ttft_seconds=b.ttft_s, itl_seconds=b.itl_s)},
-                              target_inflight_per_replica=target)
+                              target_inflight_per_replica=target, **thresholds)
 
 
 def traces(r1: float) -> list[Trace]:
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, default=RESULTS / "engine_profile_cpu2.json")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--target-inflight", type=int, default=16, help="ours: targetInflightPerReplica")
+    ap.add_argument("--scale-up-threshold", type=float, default=None, help="ours (default: the setting's)")
+    ap.add_argument("--scale-down-threshold", type=float, default=None, help="ours (default: the setting's)")
     ap.add_argument("--hpa-waiting-targets", default="1,4,8", help="the HPA variants' waiting targets per pod")
     ap.add_argument("--out", type=Path, default=RESULTS / "autoscale_sim.json")
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: --out with .png)")
@@ -248,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     r1 = sustainable_rate(profile, seed=args.seed)
     report: dict[str, Any] = {"profile": vars(profile) | {"source": str(args.profile)}, "objectives": {
         c: vars(o) for c, o in OBJECTIVES.items()}, "replica_rate_at_95pct": round(r1, 3),
-        "target_inflight_per_replica": args.target_inflight, "traces": {}}
+        "target_inflight_per_replica": args.target_inflight, "ours_settings": {
+            k: v for k, v in vars(ours_settings(1, 1, args.target_inflight)).items()
+            if k not in ("min_replicas", "max_replicas", "class_objectives")} | {
+            "scale_up_threshold": args.scale_up_threshold or 0.8,
+            "scale_down_threshold": args.scale_down_threshold or 0.5}, "traces": {}}
     plots: dict[str, dict[str, list[tuple[float, int]]]] = {}
     waits = [float(x) for x in args.hpa_waiting_targets.split(",")]
     for trace in traces(r1) + edge_traces(r1):
@@ -262,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"hpa (kv 0.8, waiting {w:g})"] = simulate(
                 trace, HpaLike(waiting_target=w, min_replicas=lim[0], max_replicas=lim[1], initial=start_n),
                 profile=profile, initial=start_n, seed=args.seed)
-        ours = Ours(ours_settings(*lim, args.target_inflight))
+        thresholds = {k: v for k, v in (("scale_up_threshold", args.scale_up_threshold),
+                                        ("scale_down_threshold", args.scale_down_threshold)) if v is not None}
+        ours = Ours(ours_settings(*lim, args.target_inflight, **thresholds))
         runs["ours"] = simulate(trace, ours, profile=profile, initial=start_n, seed=args.seed)
         fixed_rm = next(iter(runs.values())).replica_minutes
         entry = {name: r.summary() | {"replica_minutes_vs_fixed": round(r.replica_minutes / fixed_rm, 3)}

@@ -2,13 +2,15 @@
 
 Latency is not linear in load (it is flat, then goes vertical at the knee), so it cannot say how many
 replicas are needed, only whether there are too few. The proportional quantity is demand: requests in
-flight plus queued, per replica, against `target_inflight_per_replica` (Knative's concurrency target).
-The SLO signal s = max(p-th TTFT / objective, p-th ITL / objective) decides direction and urgency:
+flight plus queued, over a per-replica capacity that starts at `target_inflight_per_replica` (Knative's
+concurrency target) and that the SLO signal s = max(p-th TTFT / objective, p-th ITL / objective)
+calibrates (`_calibrate`: the knee is where s reaches the up threshold). s decides direction and urgency:
 
-- up when s >= scale_up_threshold (before the knee at 1), by the ratio s / threshold over the ready
-  pods, or when demand, KV usage or engine waiting is over its target;
-- down only when s < scale_down_threshold and the load projected onto fewer replicas (s, demand, KV
-  usage scaled by ready / proposed) stays under every down threshold: no N -> N-1 -> N flapping;
+- up when s >= scale_up_threshold (before the knee at 1), to demand / capacity and at least one more
+  pod, or when demand, KV usage or engine waiting is over its target;
+- down only when s < scale_down_threshold and the load projected onto fewer replicas (demand, KV usage,
+  and the part of s above its floor, scaled by ready / proposed) stays under every down threshold: no
+  N -> N-1 -> N flapping;
 - in between, hold (the band between the two thresholds is the hysteresis).
 
 Then, as the HPA does: the lowest recommendation over the scale-up stabilization window and the highest
@@ -184,14 +186,16 @@ class Autoscaler:
     def decide(self, obs: FleetObservation) -> ScaleDecision:
         st = self._settings
         now = float(obs.at)
-        current = max(int(obs.current_replicas), 0)
+        current = max(int(obs.current_replicas), 0) if isinstance(obs.current_replicas, int) else 0
         failed = {str(p) for p in obs.failed_pods}
         scraped: set[str] = set()
         if math.isfinite(now):
             for sample in obs.samples:
                 if sample.pod in failed or sample.pod in scraped:
                     continue
-                if self._history.add(sample) or self._history.has(sample.pod, sample.at):
+                if not sample.at <= now:
+                    failed.add(sample.pod)  # from the future (or NaN): not a scrape of this tick
+                elif self._history.add(sample) or self._history.has(sample.pod, sample.at):
                     scraped.add(sample.pod)
                 else:
                     failed.add(sample.pod)  # garbage: left out and counted, as a failed scrape
