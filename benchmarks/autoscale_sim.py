@@ -249,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     profile = EngineProfile.load(args.profile)
     r1 = sustainable_rate(profile, seed=args.seed)
+    thresholds = {k: v for k, v in (("scale_up_threshold", args.scale_up_threshold),
+                                    ("scale_down_threshold", args.scale_down_threshold)) if v is not None}
     report: dict[str, Any] = {"profile": vars(profile) | {"source": str(args.profile)}, "objectives": {
         c: vars(o) for c, o in OBJECTIVES.items()}, "replica_rate_at_95pct": round(r1, 3),
         "target_inflight_per_replica": args.target_inflight, "ours_settings": {
-            k: v for k, v in vars(ours_settings(1, 1, args.target_inflight)).items()
-            if k not in ("min_replicas", "max_replicas", "class_objectives")} | {
-            "scale_up_threshold": args.scale_up_threshold or 0.8,
-            "scale_down_threshold": args.scale_down_threshold or 0.5}, "traces": {}}
+            k: v for k, v in vars(ours_settings(1, 1, args.target_inflight, **thresholds)).items()
+            if k not in ("min_replicas", "max_replicas", "class_objectives")}, "traces": {}}
     plots: dict[str, dict[str, list[tuple[float, int]]]] = {}
     waits = [float(x) for x in args.hpa_waiting_targets.split(",")]
     for trace in traces(r1) + edge_traces(r1):
@@ -269,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"hpa (kv 0.8, waiting {w:g})"] = simulate(
                 trace, HpaLike(waiting_target=w, min_replicas=lim[0], max_replicas=lim[1], initial=start_n),
                 profile=profile, initial=start_n, seed=args.seed)
-        thresholds = {k: v for k, v in (("scale_up_threshold", args.scale_up_threshold),
-                                        ("scale_down_threshold", args.scale_down_threshold)) if v is not None}
         ours = Ours(ours_settings(*lim, args.target_inflight, **thresholds))
         runs["ours"] = simulate(trace, ours, profile=profile, initial=start_n, seed=args.seed)
         fixed_rm = next(iter(runs.values())).replica_minutes
