@@ -136,6 +136,15 @@ def test_constant_load_at_the_edge_never_flaps(inflight: float) -> None:
     assert sum(d.changed for d in f.decisions) <= 1
 
 
+def test_the_projection_onto_fewer_replicas_refuses_a_breach_of_the_down_threshold() -> None:
+    f = Fleet(Autoscaler(base()), 3)
+    f.run(20, **HEALTHY, inflight=4)  # s = 0.2 at first: the floor
+    ds = f.run(120, ttft=0.2, itl=0.09, inflight=4)  # p95 ITL ~0.099 s: s ~0.49 < 0.5, demand fits one
+    # replica, but 0.2 + (0.49 - 0.2) x 3/2 = 0.64 on two: hold
+    assert not any(d.changed for d in ds)
+    assert "load projected onto 2 replicas would breach a down threshold" in ds[-1].reason
+
+
 def test_constant_light_load_goes_down_once_and_stays() -> None:
     f = Fleet(Autoscaler(base()), 6)
     f.run(360, **HEALTHY, inflight=3)
