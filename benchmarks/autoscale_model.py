@@ -265,4 +265,4 @@ def bursts(base: float, peak: float, at: list[float], length_s: float, duration_
 
 
 def constant(rate: float, duration_s: float) -> Trace:
-    return Trace(name=f"constant {rate:g}/s", duration_s=duration_s, knots=((0.0, rate), (duration_s, rate)))
+    return Trace(name=f"constant {rate:.2f}/s", duration_s=duration_s, knots=((0.0, rate), (duration_s, rate)))

@@ -51,6 +51,7 @@ from decodeservice.operator.autoscaler.types import FleetObservation
 RESULTS = Path(__file__).parent / "results"
 OBJECTIVES = {"interactive": Objectives(ttft_s=1.0, itl_s=0.2), "batch": Objectives(ttft_s=5.0, itl_s=0.2)}
 Policy = Callable[[FleetObservation], int]
+PLOTTED_HPA = "hpa (kv 0.8, waiting 4)"
 
 
 @dataclass(kw_only=True)
@@ -320,7 +321,14 @@ def _targets(runs: dict[str, RunResult]) -> dict[str, Any]:
     rm_at = _interp(sorted((a, rm) for rm, a in hpa), ours.attainment)
     out["hpa_attainment_at_our_replica_minutes"] = None if att_at is None else round(att_at, 4)
     out["hpa_replica_minutes_at_our_attainment"] = None if rm_at is None else round(rm_at, 1)
-    out["ge_5_points_over_hpa"] = None if att_at is None else ours.attainment - att_at >= 0.05
+    # Outside that range, an HPA variant that used at least our replica-minutes and still attained 5
+    # points less is beaten at the same replica-minutes too, unless the HPA's attainment fell with more pods.
+    more = [a for rm, a in hpa if rm >= ours.replica_minutes]
+    out["hpa_best_attainment_with_more_replica_minutes"] = round(max(more), 4) if more else None
+    if att_at is not None:
+        out["ge_5_points_over_hpa"] = ours.attainment - att_at >= 0.05
+    else:
+        out["ge_5_points_over_hpa"] = None if not more else ours.attainment - max(more) >= 0.05
     out["le_0.90x_hpa_replica_minutes"] = None if rm_at is None else ours.replica_minutes <= 0.9 * rm_at
     out["zero_reversals"] = ours.reversals == 0
     return out
@@ -345,7 +353,10 @@ def _plot(plots: dict[str, dict[str, list[tuple[float, int]]]], path: Path, r1: 
         ax.fill_between([t / 60 for t, _ in rate], [r / r1 for _, r in rate], color="0.88",
                         label="load (replicas' worth)", step="post")
         for label, pts in series.items():
-            ax.step([t / 60 for t, _ in pts], [n for _, n in pts], where="post", label=label, lw=1.2)
+            if label.startswith("hpa") and label != PLOTTED_HPA:
+                continue  # one HPA variant keeps the plot readable; all are in the JSON
+            ax.step([t / 60 for t, _ in pts], [n for _, n in pts], where="post", label=label,
+                    lw=2.0 if label == "ours" else 1.2)
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("replicas")
     axes[-1].set_xlabel("minutes")
