@@ -9,8 +9,8 @@ so TTFT grows with the queue (a prompt waits for a free slot, then for its prefi
 with the batch. `base`, `per_seq` and `prefill` are fitted to a profile measured on the real engine with
 `decodectl bench` (`EngineProfile.load`). In front of the engine sits the proxy as the operator sees it:
 up to `proxy_max_inflight` requests are in flight to the engine (running + engine-waiting), the rest
-wait in the proxy's class queues (interactive before batch). Every request is served (no shedding), and
-each pod exposes the real proxy's cumulative histograms (same bucket bounds) to the scrape.
+wait in the proxy's class queues (interactive before batch); a full class queue sheds with 429 (counted
+as a miss; the proxy's SLO-predictive shedding is not modelled). Each pod exposes the real proxy's cumulative histograms (same bucket bounds) to the scrape.
 
 A request meets its SLO when its TTFT and the 95th percentile of its own token gaps are within its class's
 objectives, as the proxy's `SloTracker` judges it.
@@ -31,6 +31,7 @@ from decodeservice.operator.autoscaler.types import ClassMetrics, Histogram, Pod
 from decodeservice.proxy.metrics import _ITL_BUCKETS, _TTFT_BUCKETS
 
 CLASSES = ("interactive", "batch")
+PROXY_MAX_QUEUE = {"interactive": 64, "batch": 256}  # the proxy's default classes.*.maxQueue
 ITL_PERCENTILE = 0.95  # a request meets the ITL objective when its p95 gap does (the proxy's SloTracker)
 TTFT_BOUNDS = (*_TTFT_BUCKETS, math.inf)
 ITL_BOUNDS = (*_ITL_BUCKETS, math.inf)
@@ -127,8 +128,24 @@ class Replica:
     def load(self) -> int:
         return len(self.running) + sum(len(q) for q in self.waiting.values())
 
+    def _proxy_queues(self) -> dict[str, int]:
+        """Requests waiting in the proxy's class queues: beyond the engine's running + waiting slots."""
+        forward = max(self.proxy_max_inflight - len(self.running), 0)
+        queued: dict[str, int] = {}
+        for c in CLASSES:  # the proxy forwards interactive first; the rest waits in its class queue
+            n = len(self.waiting[c])
+            queued[c] = max(n - forward, 0)
+            forward = max(forward - n, 0)
+        return queued
+
     def add(self, req: Request, now: float) -> float | None:
-        """Queue a request; the end time of a newly started step, if the engine was idle."""
+        """Queue a request; the end time of a newly started step, if the engine was idle.
+
+        A full class queue sheds the request with 429, as the proxy does (a miss for its SLO).
+        """
+        if self._proxy_queues()[req.cls] >= PROXY_MAX_QUEUE[req.cls]:
+            self.outcomes.total[req.cls] += 1
+            return None
         self.waiting[req.cls].append(req)
         return self._start(now) if self.busy_until is None else None
 
@@ -182,18 +199,13 @@ class Replica:
     def sample(self, now: float) -> PodSample:
         """What the proxy's /metrics says now, as the operator's scrape parses it."""
         running = len(self.running)
-        forward = max(self.proxy_max_inflight - running, 0)  # engine-side waiting slots
-        queued: dict[str, float] = {}
-        for c in CLASSES:  # the proxy forwards interactive first; the rest waits in its class queue
-            n = len(self.waiting[c])
-            queued[c] = float(max(n - forward, 0))
-            forward = max(forward - n, 0)
+        queued = self._proxy_queues()
         waiting_total = sum(len(q) for q in self.waiting.values())
         engine_waiting = waiting_total - sum(queued.values())
         return PodSample(
             pod=self.name, at=now, inflight=float(running + engine_waiting),
             classes={c: ClassMetrics(ttft=self.ttft[c].snapshot(), itl=self.itl[c].snapshot(),
-                                     queue_depth=queued[c]) for c in CLASSES},
+                                     queue_depth=float(queued[c])) for c in CLASSES},
             kv_cache_usage=min(self.kv_tokens / self.profile.kv_capacity_tokens, 1.0),
             engine_waiting=float(engine_waiting), engine_running=float(running))
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from decodeservice.operator.autoscaler.types import ClassStatus, FleetObservation, ScaleDecision
+from decodeservice.operator.autoscaler.types import ClassStatus, FleetObservation, PodSample, ScaleDecision
 from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, demand
 
 
@@ -67,6 +67,9 @@ class AutoscalerSettings:
     panic_threshold: float = 2.0  # Knative's 200%: short-window demand or s twice the up point
     min_panic_observations: int = 20  # a short-window p95 of fewer requests is one outlier, not a burst
     max_observations_per_second: float = 1e6  # a pod claiming more per second is lying; its delta is dropped
+    # A proxy holds at most admission.maxInflight plus its class queues (64 + 64 + 256 by default); a pod
+    # claiming more in flight + queued (or engine waiting) is lying, and is counted as failed.
+    max_pod_demand: float = 384.0
     # Latency has a floor (an idle engine's step, a prefill stall) that fewer replicas do not raise: the
     # projection scales only the part of s above the lowest stable signal seen over this long.
     floor_memory_seconds: float = 1800.0
@@ -90,7 +93,7 @@ class AutoscalerSettings:
                      "panic_window_seconds", "scale_up_threshold", "scale_down_threshold",
                      "target_inflight_per_replica", "kv_usage_threshold", "waiting_threshold",
                      "max_scale_up_step", "max_scale_up_ratio", "max_scale_down_ratio", "panic_threshold",
-                     "max_observations_per_second", "floor_memory_seconds"):
+                     "max_observations_per_second", "floor_memory_seconds", "max_pod_demand"):
             pos(name)
         need(0 < self.percentile < 100, f"percentile must be in (0, 100), got {self.percentile}")
         need(self.scale_down_threshold < self.scale_up_threshold,
@@ -193,8 +196,8 @@ class Autoscaler:
             for sample in obs.samples:
                 if sample.pod in failed or sample.pod in scraped:
                     continue
-                if not sample.at <= now:
-                    failed.add(sample.pod)  # from the future (or NaN): not a scrape of this tick
+                if not sample.at <= now or not self._plausible(sample):
+                    failed.add(sample.pod)  # from the future (or NaN), or more load than a proxy holds
                 elif self._history.add(sample) or self._history.has(sample.pod, sample.at):
                     scraped.add(sample.pod)
                 else:
@@ -230,6 +233,13 @@ class Autoscaler:
         return ScaleDecision(at=obs.at, current_replicas=current, desired_replicas=desired,
                              reason=why, signal=load.signal_stable, panic=self._panic_until > now,
                              classes=statuses, scraped_pods=len(scraped), failed_pods=len(failed))
+
+    def _plausible(self, sample: PodSample) -> bool:
+        top = self._settings.max_pod_demand
+        try:
+            return demand(sample) <= top and (sample.engine_waiting or 0.0) <= top
+        except TypeError:
+            return False  # not numbers at all
 
     def _measure(self, now: float, pods: set[str]) -> tuple[dict[str, ClassStatus], Load]:
         st, h = self._settings, self._history

@@ -181,13 +181,16 @@ def test_failed_and_garbage_pods_are_counted_and_never_block() -> None:
     assert d.desired_replicas > 3
 
 
-def test_garbage_alone_never_scales_to_max() -> None:
+@pytest.mark.parametrize("inflight", [9e99, 5000.0])
+def test_garbage_alone_never_scales_to_max(inflight: float) -> None:
     f = Fleet(Autoscaler(base()), 2)
     f.run(20, **HEALTHY, inflight=4)
     huge = Histogram(bounds=TTFT_BOUNDS, counts=(0.0,) * (len(TTFT_BOUNDS) - 1) + (1e300,), total=1e300)
     for _ in range(20):
-        liar = PodSample(pod="liar", at=f.now + TICK, inflight=9e99, kv_cache_usage=1.0, engine_waiting=1e9,
-                         engine_running=0, classes={"interactive": ClassMetrics(ttft=huge, itl=huge, queue_depth=1e9)})
+        # absurd counts, or a number of requests in flight no proxy admits (over max_pod_demand)
+        liar = PodSample(pod="liar", at=f.now + TICK, inflight=inflight, kv_cache_usage=0.5, engine_waiting=0,
+                         engine_running=0, classes={"interactive": ClassMetrics(ttft=huge if inflight > 1e9 else None, itl=None,
+                                                              queue_depth=0)})
         d = f.tick(**HEALTHY, inflight=4, extra=(liar,))
         assert d.desired_replicas == 2 and d.failed_pods == 1
 
