@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from decodeservice.operator.autoscaler.capacity import RateCapacity, RateEstimate
 from decodeservice.operator.autoscaler.types import ClassStatus, FleetObservation, PodSample, ScaleDecision
-from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, demand
+from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, demand, offered_rate, waiting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,11 @@ class AutoscalerSettings:
     # Latency has a floor (an idle engine's step, a prefill stall) that fewer replicas do not raise: the
     # projection scales only the part of s above the lowest stable signal seen over this long.
     floor_memory_seconds: float = 1800.0
+    # Rate sizing (capacity.py): replicas = (offered rate + waiting line / drain) / (learned rate per
+    # replica x utilization). The learned rate is the knee's (s at the up threshold), so 0.85 leaves room
+    # for Poisson noise over a window; the waiting line piled up during a cold start drains over a minute.
+    target_utilization: float = 0.85
+    backlog_drain_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -93,7 +99,8 @@ class AutoscalerSettings:
                      "panic_window_seconds", "scale_up_threshold", "scale_down_threshold",
                      "target_inflight_per_replica", "kv_usage_threshold", "waiting_threshold",
                      "max_scale_up_step", "max_scale_up_ratio", "max_scale_down_ratio", "panic_threshold",
-                     "max_observations_per_second", "floor_memory_seconds", "max_pod_demand"):
+                     "max_observations_per_second", "floor_memory_seconds", "max_pod_demand",
+                     "target_utilization", "backlog_drain_seconds"):
             pos(name)
         need(0 < self.percentile < 100, f"percentile must be in (0, 100), got {self.percentile}")
         need(self.scale_down_threshold < self.scale_up_threshold,
@@ -102,6 +109,7 @@ class AutoscalerSettings:
         need(self.panic_window_seconds <= self.stable_window_seconds,
              "panic_window_seconds must be <= stable_window_seconds")
         need(self.kv_usage_threshold <= 1.0, f"kv_usage_threshold is a fraction <= 1, got {self.kv_usage_threshold}")
+        need(self.target_utilization <= 1, f"target_utilization must be <= 1, got {self.target_utilization}")
         need(0 <= self.tolerance < 1, f"tolerance must be in [0, 1), got {self.tolerance}")
         need(self.max_scale_down_ratio <= 1, f"max_scale_down_ratio must be <= 1, got {self.max_scale_down_ratio}")
         need(isinstance(self.max_scale_up_step, int), "max_scale_up_step must be an integer")
@@ -131,6 +139,7 @@ class Load:
     demand_panic: float
     kv_usage: float | None  # mean over pods, panic window
     engine_waiting: float | None  # mean per pod, panic window
+    rates: RateEstimate  # offered requests/s and the waiting line
 
 
 def _signal(ttft: WindowedHistogram | None, itl: WindowedHistogram | None, q: float, obj: Objective,
@@ -162,12 +171,18 @@ class Autoscaler:
         self._first_data_at: float | None = None  # no scale-down before one stable window of data
         self._signals: deque[tuple[float, float]] = deque()  # (at, stable s): the floor's memory
         self._capacity = float(settings.target_inflight_per_replica)  # learned knee, see _calibrate
+        self._rate_capacity = RateCapacity()  # learned requests/s per replica at the knee
         self.update_settings(settings)
 
     @property
     def capacity(self) -> float:
         """In flight + queued per replica the fleet is sized for: the target, or the knee s revealed."""
         return self._capacity
+
+    @property
+    def rate_capacity(self) -> float | None:
+        """Requests/s one replica sustains at the up threshold, as learned (None: not revealed yet)."""
+        return self._rate_capacity.per_replica
 
     @property
     def settings(self) -> AutoscalerSettings:
@@ -277,9 +292,15 @@ class Autoscaler:
             vals = [v for p, v in means.items() if p in pods]
             return sum(vals) / len(vals) if vals else None
 
+        rate, _ = offered_rate(h, pods, start=stable_start, now=now)
+        rate_recent, recent_span = offered_rate(h, pods, start=recent_start, now=now)
+        rate_panic, _ = offered_rate(h, pods, start=panic_start, now=now)
+        latest = h.latest(now, max_age=st.interval_seconds * 2)
+        rates = RateEstimate(rate=rate, rate_recent=rate_recent, rate_panic=rate_panic, recent_span=recent_span,
+                             backlog=sum(waiting(s) for p, s in latest.items() if p in pods))
         load = Load(signal_stable=s_stable, signal_recent=_worst(recent)[1], signal_panic=_worst(panic)[1],
                     worst_class=worst_cls, demand_stable=total(stable_start), demand_panic=total(panic_start),
-                    kv_usage=mean("kv_cache_usage"), engine_waiting=mean("engine_waiting"))
+                    kv_usage=mean("kv_cache_usage"), engine_waiting=mean("engine_waiting"), rates=rates)
         return statuses, load
 
     def _calibrate(self, load: Load, scraped: int) -> None:
@@ -307,16 +328,34 @@ class Autoscaler:
         scraped = ready - failed
         self._calibrate(load, scraped)
         cap = self._capacity
+        rates = load.rates
+        # While pods are starting the fleet is short on purpose and its latency measures the backlog
+        # piling up, not what a replica sustains: nothing is learned then.
+        if rates.recent_span >= 2 * st.interval_seconds and scraped > 0 and current <= ready:
+            self._rate_capacity.observe(rate_per_replica=rates.rate_recent / scraped, signal=load.signal_recent,
+                                        up=st.scale_up_threshold, down=st.scale_down_threshold)
+        n_rate = self._rate_capacity.replicas_for(rate=rates.rate, backlog=rates.backlog,
+                                                  utilization=st.target_utilization,
+                                                  drain_seconds=st.backlog_drain_seconds)
+        n_panic = self._rate_capacity.replicas_for(rate=max(rates.rate, rates.rate_panic), backlog=rates.backlog,
+                                                   utilization=st.target_utilization,
+                                                   drain_seconds=st.backlog_drain_seconds)
         # Failed pods, as the HPA treats missing metrics: no load when scaling up, at target when down.
         d_up = load.demand_stable
         d_panic = load.demand_panic
         s_rec = load.signal_recent
         cls = load.worst_class or "-"
         ups: list[tuple[int, str]] = []
-        if d_up / cap > current * (1 + st.tolerance):
+        by_demand = math.ceil(d_up / cap) if n_rate is None else n_rate
+        rate_cap = self._rate_capacity.per_replica
+        if n_rate is not None and rate_cap is not None:
+            if n_rate > current * (1 + st.tolerance):
+                ups.append((n_rate, f"offered {rates.rate:.2f} req/s + {rates.backlog:.0f} waiting over "
+                                    f"{rate_cap:.2f} req/s per replica at {st.target_utilization:.0%}"))
+        elif d_up / cap > current * (1 + st.tolerance):
             ups.append((math.ceil(d_up / cap), f"demand {d_up:.1f} in flight+queued over {cap:.1f} per replica"))
         if s_rec is not None and s_rec >= st.scale_up_threshold:
-            ups.append((max(ready + 1, math.ceil(d_up / cap)),
+            ups.append((max(ready + 1, by_demand),
                         f"SLO signal {s_rec:.2f} ({cls}) >= {st.scale_up_threshold:g}, "
                         f"{cap:.1f} in flight per replica"))
         kv, waiting = load.kv_usage, load.engine_waiting
@@ -327,13 +366,17 @@ class Autoscaler:
             ups.append((ready + 1, f"engine waiting {waiting:.1f}/pod > {st.waiting_threshold:g}"))
 
         s_panic = load.signal_panic
-        trigger = d_panic / cap >= st.panic_threshold * max(scraped, 1) or (
+        rate_cap = self._rate_capacity.per_replica
+        over = (rates.rate_panic / (rate_cap * max(scraped, 1)) if rate_cap is not None  # backlog is not a burst
+                else d_panic / cap / max(scraped, 1))
+        trigger = over >= st.panic_threshold or (
             s_panic is not None and s_panic >= st.panic_threshold * st.scale_up_threshold)
         if trigger:
             self._panic_until = now + st.stable_window_seconds
         if self._panic_until > now:
             by_lat = ready + 1 if (s_panic or 0.0) >= st.scale_up_threshold else 0
-            ups.append((max(math.ceil(d_panic / cap), by_lat),
+            by_load = math.ceil(d_panic / cap) if n_panic is None else n_panic
+            ups.append((max(by_load, by_lat),
                         f"panic: short-window demand {d_panic:.1f}, signal {s_panic or 0.0:.2f}"))
         best = max(ups, default=None)
         if best is not None and best[0] > current:
@@ -343,28 +386,46 @@ class Autoscaler:
         if self._panic_until > now:
             return current, "hold: panic mode, no scale-down"
         s = load.signal_stable
-        if s is not None and s >= st.scale_down_threshold:
-            return current, f"hold: SLO signal {s:.2f} ({cls}) within [{st.scale_down_threshold:g}, " \
+        if s is not None and s >= self._down_limit():
+            return current, f"hold: SLO signal {s:.2f} ({cls}) within [{self._down_limit():g}, " \
                             f"{st.scale_up_threshold:g})"
         if self._first_data_at is None or now - self._first_data_at < st.stable_window_seconds:
             return current, "hold: less than one stable window of data, no scale-down yet"
         return self._project_down(current, ready, failed, load)
+
+    def _down_limit(self) -> float:
+        """The signal the load projected onto fewer replicas must stay under.
+
+        Without a learned rate, s alone says how loaded the pods are: under the down threshold. With one,
+        the rate sizes the fleet and s only has to stay clear of the up threshold with room to spare (the
+        middle of the band), so a fleet at moderate latency can still shed pods the rate does not need.
+        """
+        st = self._settings
+        if self._rate_capacity.per_replica is None:
+            return st.scale_down_threshold
+        return (st.scale_down_threshold + st.scale_up_threshold) / 2
 
     def _project_down(self, current: int, ready: int, failed: int, load: Load) -> tuple[int, str]:
         """The fewest replicas onto which the load, projected, stays under every down threshold."""
         st = self._settings
         target = self._capacity
         d_down = max(load.demand_stable, load.demand_panic) + target * failed
+        rate_cap = self._rate_capacity.per_replica
+        if rate_cap is not None:  # sized on the rate: demand is only its consequence (Little's law)
+            target = rate_cap * st.target_utilization
+            d_down = max(load.rates.rate, load.rates.rate_panic) + load.rates.backlog / st.backlog_drain_seconds \
+                + target * failed
         s = load.signal_stable or 0.0
         floor = min((v for _, v in self._signals), default=0.0)
         floor = min(floor, s)
         kv = load.kv_usage or 0.0
         waiting = load.engine_waiting or 0.0
         margin = 1 - st.tolerance
+        limit = self._down_limit()
 
         def fits(m: int) -> bool:
             r = ready / m  # per-pod load grows by ready / m (linear: optimistic past the knee, hence the band)
-            return (d_down / m <= target and floor + (s - floor) * r < st.scale_down_threshold
+            return (d_down / m <= target and floor + (s - floor) * r < limit
                     and kv * r <= st.kv_usage_threshold * margin and waiting * r <= st.waiting_threshold * margin)
 
         m = current
@@ -374,9 +435,10 @@ class Autoscaler:
             if current <= st.min_replicas:
                 return current, f"hold: at min_replicas {st.min_replicas}"
             return current, (f"hold: load projected onto {current - 1} replicas would breach a down threshold "
-                             f"(signal {floor + (s - floor) * ready / max(current - 1, 1):.2f}, demand "
-                             f"{d_down / max(current - 1, 1):.1f}/replica)")
-        return m, f"down: signal {s:.2f} and demand {d_down:.1f} fit {m} replicas"
+                             f"(signal {floor + (s - floor) * ready / max(current - 1, 1):.2f}, load "
+                             f"{d_down / max(current - 1, 1):.2f}/replica)")
+        unit = "req/s" if rate_cap is not None else "in flight+queued"
+        return m, f"down: signal {s:.2f} and load {d_down:.1f} {unit} fit {m} replicas"
 
     def _stabilize(self, now: float, current: int, raw: int, why: str) -> tuple[int, str]:
         """HPA rules: lowest rec in the up window, highest in the down window; bounded step; panic."""

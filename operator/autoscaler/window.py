@@ -259,3 +259,37 @@ def _pick(s: PodSample, cls: str, metric: Metric) -> Histogram | None:
 def demand(s: PodSample) -> float:
     """Requests a pod holds: in flight to the engine plus queued in the proxy's class queues."""
     return s.inflight + sum(m.queue_depth for m in s.classes.values())
+
+
+def waiting(s: PodSample) -> float:
+    """Requests a pod holds that have no first token yet: engine waiting plus the proxy's class queues."""
+    return (s.engine_waiting or 0.0) + sum(m.queue_depth for m in s.classes.values())
+
+
+def offered_rate(history: FleetHistory, pods: set[str], *, start: float, now: float) -> tuple[float, float]:
+    """Requests offered per second over (start, now], summed over `pods`, and the span measured (s).
+
+    A request leaves the waiting line when its first token is served, so what arrives is what got a first
+    token (the TTFT histograms' `_count`, summed over classes) plus the growth of the waiting line
+    (engine waiting + proxy queues). Arrivals are counted per pod over its own samples in the window (a pod
+    with one sample there, just ready, adds nothing yet) and summed, over the longest span any pod covered. The span is the longest one any pod covered.
+    """
+    arrived, span = 0.0, 0.0
+    for pod in pods:
+        samples = history._in_window(pod, start, now)
+        if len(samples) < 2:
+            continue
+        served = 0.0
+        for prev, cur in zip(samples, samples[1:], strict=False):
+            for cls in cur.classes:
+                b = _pick(cur, cls, "ttft")
+                if b is None:
+                    continue
+                a = _pick(prev, cls, "ttft") or Histogram(bounds=b.bounds, counts=(0.0,) * len(b.bounds), total=0.0)
+                inc = _delta(a, b, cur.at - prev.at, history.max_rate)
+                served += inc[-1] if inc is not None else 0.0
+        arrived += max(served + waiting(samples[-1]) - waiting(samples[0]), 0.0)
+        span = max(span, samples[-1].at - samples[0].at)
+    # Arrivals over the fleet's span, not a sum of per-pod rates: a pod that joined late took its share
+    # only since then, while the others' rates over the whole span still include what it now takes.
+    return (arrived / span if span > 0 else 0.0), span
