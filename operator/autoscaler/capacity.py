@@ -5,7 +5,8 @@ one replica's sustainable rate is known. It is learned where latency reveals it 
 demand curve in `decide._calibrate`):
 
 - a signal s at or over the up threshold while each ready replica took r requests/s puts the knee at
-  r x up / s at most (s counted at most twice the threshold, so a queue explosion halves it at most);
+  r x up / s at most (s counted at most twice the threshold, so a queue explosion halves it at most),
+  unless r is under half the knee already known: then the latency is a backlog's being drained;
 - a signal under the down threshold at r says the knee is above r: by the same projection, but at most
   `max_raise` x r, because latency is flat far below the knee and a linear projection from there is
   wildly optimistic;
@@ -47,6 +48,8 @@ class RateCapacity:
             return
         known = self.per_replica
         if s >= up:
+            if known is not None and r < known / 2:
+                return  # latency of a backlog being drained (or a sick pod), not of this rate: not the knee
             est = r * up / min(s, 2 * up)
             self.per_replica = est if known is None else min(known, est)
         elif known is None:

@@ -75,9 +75,9 @@ class AutoscalerSettings:
     # projection scales only the part of s above the lowest stable signal seen over this long.
     floor_memory_seconds: float = 1800.0
     # Rate sizing (capacity.py): replicas = (offered rate + waiting line / drain) / (learned rate per
-    # replica x utilization). The learned rate is the knee's (s at the up threshold), so 0.85 leaves room
+    # replica x utilization). The learned rate is the knee's (s at the up threshold), so 0.9 leaves room
     # for Poisson noise over a window; the waiting line piled up during a cold start drains over a minute.
-    target_utilization: float = 0.85
+    target_utilization: float = 0.9
     backlog_drain_seconds: float = 60.0
 
     def __post_init__(self) -> None:

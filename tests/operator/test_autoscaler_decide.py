@@ -273,3 +273,13 @@ def test_never_raises_and_stays_within_bounds(ticks: list[tuple[list[PodSample],
         d = scaler.decide(FleetObservation(at=5.0 * (i + 1), current_replicas=current, samples=samples,
                                            failed_pods=failed, starting_pods=starting))
         assert lo <= d.desired_replicas <= max(lo + span, 1)
+
+
+def test_a_breach_reveals_the_rate_per_replica_and_the_fleet_is_sized_on_the_offered_rate() -> None:
+    f = Fleet(Autoscaler(base()), 2)
+    f.run(20, **HEALTHY, inflight=4)  # 20 first tokens per pod per 5 s: 4 req/s each, 8 in all
+    assert f.scaler.rate_capacity is None  # flat latency: the knee is not known yet
+    d = f.tick(ttft=1.5, itl=0.09, inflight=8)  # the same rate, now over the up threshold
+    cap = f.scaler.rate_capacity
+    assert cap is not None and 2.0 <= cap <= 4.0  # 4 req/s x 0.8 / s, s in [0.8, 1.6]
+    assert d.desired_replicas == max(3, math.ceil(8.0 / (cap * 0.9)))

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from decodeservice.operator.autoscaler.types import ClassMetrics, Histogram, PodSample
-from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, valid_sample
+from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, offered_rate, valid_sample
 
 INF = math.inf
 BOUNDS = (0.1, 0.5, 1.0, INF)
@@ -144,3 +144,30 @@ def test_pods_with_other_buckets_are_left_out_by_the_majority_layout() -> None:
     h.add(sample("c", 5, hist(3, 3, 3, bounds=other)))
     w = h.histogram("interactive", "ttft", start=0, now=5)
     assert w is not None and w.bounds == BOUNDS and w.total == 20
+
+
+def queued(pod: str, at: float, served: float, waiting: float) -> PodSample:
+    return PodSample(pod=pod, at=at, classes={"interactive": ClassMetrics(
+        ttft=hist(served, served, served, served), itl=None, queue_depth=waiting)},
+        inflight=0.0, kv_cache_usage=0.1, engine_waiting=0.0, engine_running=0.0)
+
+
+def test_offered_rate_is_first_tokens_plus_queue_growth_over_the_fleets_span() -> None:
+    h = FleetHistory(horizon_seconds=60)
+    for s in (queued("a", 0, 0, 0), queued("a", 10, 20, 0), queued("a", 20, 40, 10),  # 40 served + 10 queued
+              queued("b", 10, 0, 0), queued("b", 20, 10, 0)):  # joined at 10: 10 served since
+        assert h.add(s)
+    rate, span = offered_rate(h, {"a", "b"}, start=-1, now=20)
+    assert span == 20 and rate == pytest.approx((50 + 10) / 20)  # not 50/20 + 10/10: b took its share late
+    assert offered_rate(h, {"a"}, start=10, now=20) == (pytest.approx(3.0), 10)  # 20 served + 10 queued
+    assert offered_rate(h, set(), start=-1, now=20) == (0.0, 0.0)
+
+
+def test_offered_rate_survives_a_restart_and_a_draining_queue() -> None:
+    h = FleetHistory(horizon_seconds=60)
+    for s in (queued("a", 0, 100, 30), queued("a", 10, 5, 0)):  # restarted: 5 served since, the queue gone
+        assert h.add(s)
+    rate, _ = offered_rate(h, {"a"}, start=-1, now=10)
+    assert rate == 0.0  # 5 served - 30 fewer waiting: clamped, never negative
+    h.add(queued("a", 20, 45, 0))  # the queue drained: 40 first tokens, none waiting: 40 arrived
+    assert offered_rate(h, {"a"}, start=10, now=20)[0] == pytest.approx(4.0)
