@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 
 from decodeservice.operator.autoscaler.capacity import RateCapacity, RateEstimate
 from decodeservice.operator.autoscaler.types import ClassStatus, FleetObservation, PodSample, ScaleDecision
-from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, demand, offered_rate, waiting
+from decodeservice.operator.autoscaler.window import (
+    FleetHistory,
+    WindowedHistogram,
+    demand,
+    offered_rate,
+    waiting,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,9 +335,10 @@ class Autoscaler:
         self._calibrate(load, scraped)
         cap = self._capacity
         rates = load.rates
-        # While pods are starting the fleet is short on purpose and its latency measures the backlog
-        # piling up, not what a replica sustains: nothing is learned then.
-        if rates.recent_span >= 2 * st.interval_seconds and scraped > 0 and current <= ready:
+        # While pods are starting the fleet is short on purpose, and in panic (a burst) its latency
+        # measures the backlog piling up or draining, not what a replica sustains: nothing is learned then.
+        if (rates.recent_span >= 2 * st.interval_seconds and scraped > 0 and current <= ready
+                and self._panic_until <= now):
             self._rate_capacity.observe(rate_per_replica=rates.rate_recent / scraped, signal=load.signal_recent,
                                         up=st.scale_up_threshold, down=st.scale_down_threshold)
         n_rate = self._rate_capacity.replicas_for(rate=rates.rate, backlog=rates.backlog,

@@ -7,7 +7,12 @@ import math
 import pytest
 
 from decodeservice.operator.autoscaler.types import ClassMetrics, Histogram, PodSample
-from decodeservice.operator.autoscaler.window import FleetHistory, WindowedHistogram, offered_rate, valid_sample
+from decodeservice.operator.autoscaler.window import (
+    FleetHistory,
+    WindowedHistogram,
+    offered_rate,
+    valid_sample,
+)
 
 INF = math.inf
 BOUNDS = (0.1, 0.5, 1.0, INF)
