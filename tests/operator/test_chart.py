@@ -105,3 +105,15 @@ def test_every_values_key_is_documented() -> None:
 def test_chart_crd_is_not_templated(chart: helm_python.Chart) -> None:
     assert [c["name"] for c in chart.crds] == ["crds/decodeservice.yaml"]
     assert not any("CustomResourceDefinition" in t["data"] for t in chart.templates)
+
+
+@pytest.mark.parametrize(("values", "kind"), [(None, "ClusterRole"), (CUSTOM, "Role")], ids=["default", "custom"])
+def test_rbac_lets_the_autoscaler_read_pods_and_post_events(chart: helm_python.Chart, values: dict[str, Any] | None,
+                                                          kind: str) -> None:
+    role = next(d for d in render(chart, values) if d["kind"] == kind and not d["metadata"]["name"].endswith(
+        "-discovery"))
+    granted = {(group, res, verb) for r in role["rules"] for group in r["apiGroups"] for res in r["resources"]
+               for verb in r["verbs"]}
+    assert {("", "pods", v) for v in ("get", "list", "watch")} <= granted
+    assert {("", "events", "create"), ("", "events", "patch"), ("apps", "deployments", "patch")} <= granted
+    assert not {v for g, res, v in granted if res == "pods"} - {"get", "list", "watch"}  # read-only on pods
