@@ -52,14 +52,15 @@ def settings_for(v: ValidatedSpec, *, default_interval: float) -> AutoscalerSett
     optional = {"stable_window_seconds": a.stable_window_seconds, "panic_window_seconds": a.panic_window_seconds,
                 "scale_up_threshold": a.scale_up_threshold, "scale_down_threshold": a.scale_down_threshold,
                 "kv_usage_threshold": a.kv_usage_threshold, "waiting_threshold": a.waiting_threshold}
+    # Typed Any: each value lands on a field of its own type, which mypy cannot see through **.
+    overrides: dict[str, Any] = {k: value for k, value in optional.items() if value is not None}
     try:
         return AutoscalerSettings(
             min_replicas=a.min_replicas, max_replicas=a.max_replicas, ttft_seconds=slo.ttft_ms / 1000.0,
             itl_seconds=slo.itl_ms / 1000.0, percentile=slo.percentile,
             interval_seconds=a.interval_seconds or default_interval,
             target_inflight_per_replica=a.target_inflight_per_replica,
-            scale_down_stabilization_seconds=float(a.scale_down_delay_seconds),
-            **{k: value for k, value in optional.items() if value is not None})
+            scale_down_stabilization_seconds=float(a.scale_down_delay_seconds), **overrides)
     except ValueError as exc:
         raise InvalidSpecError(f"spec.autoscaling: {exc}") from None
 
