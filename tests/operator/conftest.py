@@ -28,7 +28,7 @@ def fast_settings() -> kopf.OperatorSettings:
     settings.networking.request_timeout = 5
     settings.queueing.idle_timeout = 1.0
     settings.queueing.exit_timeout = 1.0
-    settings.posting.enabled = False  # no v1/events in the emulator, and nobody reads them here
+    settings.posting.enabled = False  # kopf's own log-line Events: nobody reads them here
     return settings
 
 

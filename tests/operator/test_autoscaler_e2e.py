@@ -188,7 +188,7 @@ async def test_breach_scales_up_within_one_interval_up_to_max_then_down_after_th
         await cluster.wait_for(lambda: len(fleet.of("svc")) == 1 and len(fleet.of("svc")[0].scrapes) >= 3,
                                what="three healthy ticks")
         assert fleet.replicas("svc") == 1
-        assert slo_met(cluster, "svc").get("status") == "True"
+        await cluster.wait_for(lambda: slo_met(cluster, "svc").get("status") == "True", what="SLOMet True")
         first = fleet.of("svc")[0]
 
         fleet.set_mode("svc", "slow")
@@ -276,8 +276,9 @@ async def test_off_and_external_never_write_replicas(fleet: Fleet, mode: str) ->
     assert events(cluster, "quiet") == []
     if mode == "external":
         # An HPA or KEDA writes spec.replicas through the scale subresource; the Deployment follows it.
-        await cluster.patch("/apis/decode.dev/v1alpha1/namespaces/default/decodeservices/quiet",
+        await cluster.patch("/apis/decode.dev/v1alpha1/namespaces/default/decodeservices/quiet/scale",
                             {"spec": {"replicas": 2}})
+        assert (cluster.get(DS, "quiet") or {})["spec"]["replicas"] == 2
         await cluster.wait_for(lambda: fleet.replicas("quiet") == 2, what="replicas from the external scaler")
         assert quiet.scrapes == []
     assert cluster.names(PODS)  # the pods were listed from the API, not invented
