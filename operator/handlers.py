@@ -121,6 +121,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             if permanent_on_invalid:
                 raise kopf.PermanentError(f"{exc.reason}: {exc}") from exc
             return
+        except ApiError as exc:  # reading the live replicas (builtin mode): retry, never guess them
+            delay = config.backoff(retry)
+            logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
+            raise kopf.TemporaryError(str(exc), delay=delay) from exc
         kopf.adopt(children.all(), owner=body)
         try:
             deployment = await apply_children(session.get(), children, owner_uid=str(body.metadata.uid),
