@@ -169,27 +169,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                         **_: Any) -> None:
         # A daemon, not a timer: each DecodeService has its own intervalSeconds. kopf stops it when the
         # mode leaves builtin or the object goes away; `body` is a live view, so a spec change applies
-        # on the next tick. One bad tick is logged and the next one tries again: scaling must not stop.
-        interval = config.autoscaling.interval_seconds
-        try:
-            while not stopped:
-                try:
-                    v = validate_spec(body.get("spec"))
-                    result = await autoscaling.tick(session.get(), v, body)
-                    if result is not None:
-                        interval = result.interval_seconds
-                        d = result.decision
-                        if d.changed:
-                            logger.info(f"scaled {d.current_replicas} -> {d.desired_replicas}: {d.reason}")
-                        for pod, why in result.scraped.errors.items():
-                            logger.debug(f"pod {pod} left out of this decision: {why}")
-                except InvalidSpecError as exc:
-                    logger.warning(f"not autoscaling an invalid spec: {exc}")  # the reconcile reports it
-                except (ApiError, kopf.TemporaryError) as exc:
-                    logger.warning(f"autoscaler tick failed, next in {interval:g}s: {exc}")
-                await stopped.wait(interval)
-        finally:
-            autoscaling.forget(uid)
+        # on the next tick.
+        await autoscaling.run(uid=uid, body=body, client=session.get, stopped=stopped, logger=logger)
 
     return registry
 

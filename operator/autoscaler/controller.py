@@ -11,12 +11,14 @@ decision: in builtin mode the last decision wins over spec.replicas.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import kopf
 
 from decodeservice.operator.autoscaler.decide import Autoscaler, AutoscalerSettings
 from decodeservice.operator.autoscaler.report import same_measurement, scale_event, slo_status
@@ -25,7 +27,7 @@ from decodeservice.operator.autoscaler.types import FleetObservation, ScaleDecis
 from decodeservice.operator.errors import ApiError, InvalidSpecError
 from decodeservice.operator.kube import KINDS, Kind, KubeClient
 from decodeservice.operator.manifests import selector_labels
-from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, ValidatedSpec
+from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, ValidatedSpec, validate_spec
 from decodeservice.operator.status import now_iso, slo_condition, with_condition
 
 DECODESERVICE = Kind(api_version=f"{GROUP}/{VERSION}", plural=PLURAL)
@@ -138,6 +140,36 @@ class Autoscaling:
         if self._http is None:
             self._http = aiohttp.ClientSession(headers={"User-Agent": "decodeservice-autoscaler"})
         return self._http
+
+    async def run(self, *, uid: str, body: Mapping[str, Any], client: Callable[[], KubeClient],
+                  stopped: kopf.DaemonStopped, logger: kopf.Logger) -> None:
+        """Tick every interval until kopf stops the daemon. A failed tick is logged (once while the same
+        failure repeats) and the next one tries again: scaling must not stop on one bad answer."""
+        loop = asyncio.get_running_loop()
+        interval, last_warning = self.config.interval_seconds, ""
+        try:
+            while not stopped:
+                started, warning = loop.time(), ""
+                try:
+                    result = await self.tick(client(), validate_spec(body.get("spec")), body)
+                    if result is not None:
+                        interval = result.interval_seconds
+                        d = result.decision
+                        if d.changed:
+                            logger.info(f"scaled {d.current_replicas} -> {d.desired_replicas}: {d.reason}")
+                        for pod, why in result.scraped.errors.items():
+                            logger.debug(f"pod {pod} left out of this decision: {why}")
+                except InvalidSpecError as exc:
+                    warning = f"not autoscaling an invalid spec: {exc}"  # the reconcile reports it in status
+                except (ApiError, kopf.TemporaryError) as exc:
+                    warning = f"autoscaler tick failed, retrying every {interval:g}s: {exc}"
+                if warning and warning != last_warning:
+                    logger.warning(warning)
+                last_warning = warning
+                # A fixed rate: the tick's own time is part of the interval.
+                await stopped.wait(max(0.0, interval - (loop.time() - started)))
+        finally:
+            self.forget(uid)
 
     async def tick(self, client: KubeClient, v: ValidatedSpec, body: Mapping[str, Any]) -> TickResult | None:
         """One scrape, one decision, its writes. None when there is no Deployment to scale yet."""
