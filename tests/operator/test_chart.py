@@ -51,6 +51,7 @@ def test_default_values_run_cluster_wide_with_the_default_image(chart: helm_pyth
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}"
     assert "--all-namespaces" in container["args"]
+    assert container["args"][container["args"].index("--autoscale-interval") + 1] == "5"
     assert {d["kind"] for d in docs} >= {"ClusterRole", "ClusterRoleBinding"}
     assert not any(d["kind"] == "ServiceMonitor" for d in docs)
 
