@@ -29,11 +29,12 @@ ITL = "decode_proxy:inter_token_latency_seconds"
 QUEUE = "decode_proxy:num_requests_waiting"
 INFLIGHT = "decode_proxy:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_V0 = "vllm:gpu_cache_usage_perc"  # the same gauge in vLLM releases before the rename (0.9.x)
 ENGINE_WAITING = "vllm:num_requests_waiting"
 ENGINE_RUNNING = "vllm:num_requests_running"
 
 _USED = frozenset({f"{TTFT}_bucket", f"{ITL}_bucket", f"{TTFT}_count", f"{ITL}_count", QUEUE, INFLIGHT, KV_USAGE,
-                   ENGINE_WAITING, ENGINE_RUNNING})
+                   KV_USAGE_V0, ENGINE_WAITING, ENGINE_RUNNING})
 MAX_CLASSES = 16  # the proxy has two; more is a body we did not write
 MAX_BUCKETS = 64
 
@@ -157,9 +158,10 @@ def parse_metrics(text: str, *, pod: str, at: float) -> PodSample:
                 queue[cls] = queue.get(cls, 0.0) + value
             elif name == INFLIGHT:
                 inflight = (inflight or 0.0) + value
-            elif name in (KV_USAGE, ENGINE_WAITING, ENGINE_RUNNING):
-                # One series per model_name (one model per pod); sum counts, keep the fullest cache.
-                engine[name] = max(engine.get(name, 0.0), value) if name == KV_USAGE else engine.get(name, 0.0) + value
+            elif name in (KV_USAGE, KV_USAGE_V0):
+                engine[KV_USAGE] = max(engine.get(KV_USAGE, 0.0), value)  # the fullest cache, if several series
+            elif name in (ENGINE_WAITING, ENGINE_RUNNING):
+                engine[name] = engine.get(name, 0.0) + value  # one series per model_name / engine: their sum
     if inflight is None:
         raise ScrapeError(f"no {INFLIGHT} series: not a DecodeService proxy's /metrics")
     if engine.get(KV_USAGE, 0.0) > 1.0:

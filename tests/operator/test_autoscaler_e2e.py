@@ -201,6 +201,8 @@ async def test_breach_scales_up_within_one_interval_up_to_max_then_down_after_th
         status = await cluster.wait_for(lambda: slo(cluster, "svc") if slo(cluster, "svc").get("desiredReplicas") == 3
                                         else None, what="status.slo of the scale-up")
         assert status["desiredReplicas"] >= 2 and status["signal"] > 0.8 and status["lastScaleTime"]
+        # A sudden breach at 3x the objective is a burst: panic, shown in the status while it lasts.
+        await cluster.wait_for(lambda: slo(cluster, "svc").get("panic") is True, what="panic in status.slo")
         interactive = next(c for c in status["classes"] if c["name"] == "interactive")
         assert interactive["ttftAttainment"] < 0.95 and interactive["signal"] > 0.8
         met = slo_met(cluster, "svc")

@@ -95,6 +95,13 @@ def test_hostile_bodies_are_refused_with_a_reason(body: str, why: str) -> None:
     assert why in str(info.value)
 
 
+def test_vllm_before_the_rename_reports_gpu_cache_usage() -> None:
+    body = GOOD.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    body += 'vllm:num_requests_waiting{model_name="m",engine="1"} 2\n'
+    sample = parse_metrics(body, pod="p", at=0.0)
+    assert (sample.kv_cache_usage, sample.engine_waiting) == (0.25, 3.0)
+
+
 def test_unused_series_may_hold_anything() -> None:
     sample = parse_metrics(GOOD + "vllm:something_else NaN\ndecode_proxy:requests_total -1\n", pod="p", at=0.0)
     assert sample.inflight == 7
