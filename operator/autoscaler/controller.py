@@ -190,6 +190,9 @@ class Autoscaling:
         now = now_iso()
         # Recorded before the write: a resync running meanwhile must already apply this decision.
         state.decided = decision.desired_replicas
+        mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode")
+        if mode != AutoscalingMode.BUILTIN.value:
+            return None  # switched to off or external while this tick scraped: the replicas are not ours now
         if decision.changed:
             await client.patch(KINDS["Deployment"], namespace, name, {"spec": {"replicas": decision.desired_replicas}})
             state.last_scale_time = now

@@ -284,3 +284,20 @@ async def test_off_and_external_never_write_replicas(fleet: Fleet, mode: str) ->
         await cluster.wait_for(lambda: fleet.replicas("quiet") == 2, what="replicas from the external scaler")
         assert quiet.scrapes == []
     assert cluster.names(PODS)  # the pods were listed from the API, not invented
+
+
+async def test_switching_to_off_stops_the_autoscaler_and_hands_back_spec_replicas(fleet: Fleet) -> None:
+    cluster = fleet.cluster
+    switched = await fleet.add_pod("switched", "slow")
+    ticker = await fleet.add_pod("ticker", "fast")
+    await cluster.create(service("switched"))
+    await cluster.create(service("ticker"))
+    await cluster.wait_for(lambda: fleet.replicas("switched") >= 2, what="switched scaled up")
+    await cluster.patch("/apis/decode.dev/v1alpha1/namespaces/default/decodeservices/switched",
+                        {"spec": {"autoscaling": {"mode": "off"}}})
+    # mode off: the Deployment gets spec.replicas (1) back from the reconcile, and no tick runs any more.
+    await cluster.wait_for(lambda: fleet.replicas("switched") == 1, what="spec.replicas handed back")
+    scraped, ticks = len(switched.scrapes), len(ticker.scrapes)
+    await cluster.wait_for(lambda: len(ticker.scrapes) >= ticks + 5, what="five ticks of another service")
+    assert len(switched.scrapes) <= scraped + 1  # at most the tick that was scraping at the switch
+    assert fleet.replicas("switched") == 1
