@@ -33,14 +33,16 @@ from tests.operator.helpers import EXAMPLES
 
 INTERVAL = 0.3
 POLICY = Policy.model_validate({"slo": {"ttftMs": 1000, "itlMs": 200}})
-SECONDS = {"slow": 3.0, "fast": 0.05}  # TTFT per mode: 3x the objective, or a twentieth of it
+# TTFT per mode: 3x the objective, a twentieth of it, or 0.6 s: inside the band between scaling down
+# (signal under 0.5) and up (over 0.8), where nothing should move.
+SECONDS = {"slow": 3.0, "fast": 0.05, "edge": 0.6}
 
 
 @dataclass
 class Pod:
     name: str
     service: str
-    mode: str  # slow, busy, fast, idle, error (HTTP 500) or garbage
+    mode: str  # slow, busy, fast, edge, idle, error (HTTP 500) or garbage
     metrics: ProxyMetrics = field(default_factory=lambda: ProxyMetrics(POLICY))
     scrapes: list[tuple[str, int]] = field(default_factory=list)  # (mode served, Deployment replicas then)
     runner: web.AppRunner | None = None
@@ -301,3 +303,34 @@ async def test_switching_to_off_stops_the_autoscaler_and_hands_back_spec_replica
     await cluster.wait_for(lambda: len(ticker.scrapes) >= ticks + 5, what="five ticks of another service")
     assert len(switched.scrapes) <= scraped + 1  # at most the tick that was scraping at the switch
     assert fleet.replicas("switched") == 1
+
+
+async def test_constant_load_in_the_band_never_moves_replicas(fleet: Fleet) -> None:
+    cluster = fleet.cluster
+    pods = [await fleet.add_pod("edge", "edge"), await fleet.add_pod("edge", "edge")]
+    await cluster.create(service("edge", replicas=2))
+    # Eight ticks, several stable windows (1.5 s) and scale-down delays (1 s): no N -> N-1 -> N.
+    await cluster.wait_for(lambda: all(len(p.scrapes) >= 8 for p in pods), what="eight ticks")
+    assert replica_writes(cluster, "edge") == [2] and events(cluster, "edge") == []
+    signal = slo(cluster, "edge").get("signal")
+    assert signal is not None and 0.5 <= signal < 0.8, signal
+
+
+async def test_a_restarted_operator_keeps_the_scaled_replicas(cluster: Cluster) -> None:
+    fleet = Fleet(cluster)
+    config = AutoscalingConfig(interval_seconds=INTERVAL, scrape=ScrapeSettings(timeout_seconds=0.5),
+                               scrape_overrides=fleet.urls)
+    try:
+        pod = await fleet.add_pod("kept", "busy")
+        async for _ in run_operator(cluster, resync_seconds=0.5, autoscaling=config):
+            await cluster.create(service("kept", scaleDownDelaySeconds=300))
+            await cluster.wait_for(lambda: fleet.replicas("kept") == 3, what="scaled to max")
+        fleet.set_mode("kept", "idle")
+        async for _ in run_operator(cluster, resync_seconds=0.5, autoscaling=config):
+            ticks = len(pod.scrapes)
+            await cluster.wait_for(lambda: len(pod.scrapes) >= ticks + 5,  # noqa: B023
+                                   what="five ticks after the restart")
+        # The new operator's first reconcile read the live replicas instead of resetting to spec.replicas (1).
+        assert replica_writes(cluster, "kept").count(1) == 1 and fleet.replicas("kept") == 3
+    finally:
+        await fleet.close()
