@@ -42,7 +42,7 @@ SECONDS = {"slow": 3.0, "fast": 0.05, "edge": 0.6}
 class Pod:
     name: str
     service: str
-    mode: str  # slow, busy, fast, edge, idle, error (HTTP 500) or garbage
+    mode: str  # slow, busy, fast, edge, flap, idle, error (HTTP 500) or garbage
     metrics: ProxyMetrics = field(default_factory=lambda: ProxyMetrics(POLICY))
     scrapes: list[tuple[str, int]] = field(default_factory=list)  # (mode served, Deployment replicas then)
     runner: web.AppRunner | None = None
@@ -77,8 +77,11 @@ class Fleet:
             return web.Response(body=b"\x00\xff" * 1000 + b"decode_proxy:num_requests_running NaN\n")
         # busy: slow, and 80 requests in flight (five replicas' worth at 16 each): the demand guard.
         pod.metrics.running.set(80 if pod.mode == "busy" else 0)
-        if pod.mode in SECONDS or pod.mode == "busy":
-            ttft = SECONDS.get(pod.mode, SECONDS["slow"])
+        mode = pod.mode
+        if mode == "flap":  # slow and fast on alternate scrapes
+            mode = "slow" if len(pod.scrapes) % 2 else "fast"
+        if mode in SECONDS or mode == "busy":
+            ttft = SECONDS.get(mode, SECONDS["slow"])
             for _ in range(20):
                 pod.metrics.record(RequestOutcome(priority=PriorityClass.INTERACTIVE, finished=time.perf_counter(),
                                                   ttft=ttft, upstream_ttft=ttft, service_time=ttft + 0.1,
@@ -314,6 +317,16 @@ async def test_constant_load_in_the_band_never_moves_replicas(fleet: Fleet) -> N
     assert replica_writes(cluster, "edge") == [2] and events(cluster, "edge") == []
     signal = slo(cluster, "edge").get("signal")
     assert signal is not None and 0.5 <= signal < 0.8, signal
+
+
+async def test_flapping_metrics_never_reverse_the_replicas(fleet: Fleet) -> None:
+    cluster = fleet.cluster
+    pod = await fleet.add_pod("flap", "flap")
+    await cluster.create(service("flap", maxReplicas=5))
+    await cluster.wait_for(lambda: len(pod.scrapes) >= 12, timeout=15, what="twelve ticks")
+    writes = replica_writes(cluster, "flap")
+    assert writes == sorted(writes) and len(writes) >= 2, writes  # up on a breach, never back down between
+    assert not any(e["reason"] == "ScaledDown" for e in events(cluster, "flap"))
 
 
 async def test_a_restarted_operator_keeps_the_scaled_replicas(cluster: Cluster) -> None:
