@@ -105,6 +105,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     async def reconcile(body: kopf.Body, patch: kopf.Patch, retry: int, logger: kopf.Logger,
                         *, permanent_on_invalid: bool) -> None:
+        # Serialized with the autoscaler's writes: the replicas it reads below are the ones it applies.
+        async with autoscaling.lock(str(body.metadata.uid)):
+            await _reconcile(body, patch, retry, logger, permanent_on_invalid=permanent_on_invalid)
+
+    async def _reconcile(body: kopf.Body, patch: kopf.Patch, retry: int, logger: kopf.Logger,
+                         *, permanent_on_invalid: bool) -> None:
         name, namespace = str(body.metadata.name), str(body.metadata.namespace)
         generation = int(body.metadata.get("generation") or 0)
         previous = dict(body.get("status") or {})

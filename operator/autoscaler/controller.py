@@ -94,6 +94,7 @@ class Autoscaling:
     def __init__(self, config: AutoscalingConfig) -> None:
         self.config = config
         self._states: dict[str, _State] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         self._http: aiohttp.ClientSession | None = None
 
     def decided(self, uid: str) -> int | None:
@@ -106,6 +107,16 @@ class Autoscaling:
 
     def forget(self, uid: str) -> None:
         self._states.pop(uid, None)
+        lock = self._locks.get(uid)
+        if lock is not None and not lock.locked():
+            del self._locks[uid]
+
+    def lock(self, uid: str) -> asyncio.Lock:
+        """Held by a tick from reading the replicas to writing them, and by the reconcile of that service."""
+        lock = self._locks.get(uid)
+        if lock is None:
+            lock = self._locks[uid] = asyncio.Lock()
+        return lock
 
     async def close(self) -> None:
         if self._http is not None:
@@ -177,25 +188,27 @@ class Autoscaling:
         name, namespace, uid = str(meta["name"]), str(meta["namespace"]), str(meta["uid"])
         settings = settings_for(v, default_interval=self.config.interval_seconds)
         state = self._state(uid, settings)
-        deployment = await client.get(KINDS["Deployment"], namespace, name)
-        if deployment is None:
-            return None
-        current = int((deployment.get("spec") or {}).get("replicas") or 0)
         pods = census(await client.list_pods(namespace, selector_labels(name)),
                       overrides=self.config.scrape_overrides)
         scraped = await scrape(self._session(), pods.ready, settings=self.config.scrape, clock=time.monotonic)
-        decision = state.autoscaler.decide(FleetObservation(
-            at=time.monotonic(), current_replicas=current, samples=scraped.samples, failed_pods=scraped.failed,
-            starting_pods=pods.starting))
-        now = now_iso()
-        # Recorded before the write: a resync running meanwhile must already apply this decision.
-        state.decided = decision.desired_replicas
-        mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode")
-        if mode != AutoscalingMode.BUILTIN.value:
-            return None  # switched to off or external while this tick scraped: the replicas are not ours now
+        # Read, decide and write under the service's lock, which the reconcile holds from reading the
+        # decision to writing the Deployment: neither can undo the other with a value it read earlier.
+        async with self.lock(uid):
+            deployment = await client.get(KINDS["Deployment"], namespace, name)
+            mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode")
+            if deployment is None or mode != AutoscalingMode.BUILTIN.value:
+                return None  # nothing to scale yet, or the mode left builtin while this tick scraped
+            current = int((deployment.get("spec") or {}).get("replicas") or 0)
+            decision = state.autoscaler.decide(FleetObservation(
+                at=time.monotonic(), current_replicas=current, samples=scraped.samples,
+                failed_pods=scraped.failed, starting_pods=pods.starting))
+            now = now_iso()
+            state.decided = decision.desired_replicas
+            if decision.changed:
+                await client.patch(KINDS["Deployment"], namespace, name,
+                                   {"spec": {"replicas": decision.desired_replicas}})
+                state.last_scale_time = now
         if decision.changed:
-            await client.patch(KINDS["Deployment"], namespace, name, {"spec": {"replicas": decision.desired_replicas}})
-            state.last_scale_time = now
             try:
                 await client.post_event(namespace, scale_event(decision, name=name, namespace=namespace, uid=uid,
                                                                now=now))
