@@ -225,7 +225,15 @@ class Autoscaling:
             state.last_scale_time = live["slo"].get("lastScaleTime")  # survives an operator restart
         slo = state.slo = slo_status(decision, observed_time=now, last_scale_time=state.last_scale_time)
         generation = int((body.get("metadata") or {}).get("generation") or 0)
-        conditions = with_condition(live, "SLOMet", slo_condition(slo, percentile), generation=generation, now=now)
-        if same_measurement(slo, live.get("slo")) and conditions == list(live.get("conditions") or []):
-            return  # nothing new to say: no write, no watch event for every tick of an idle service
-        await client.patch_status(DECODESERVICE, namespace, name, {"status": {"slo": slo, "conditions": conditions}})
+        met = slo_condition(slo, percentile)
+        before: Mapping[str, Any] = next((c for c in live.get("conditions") or [] if c.get("type") == "SLOMet"), {})
+        patch: dict[str, Any] = {}
+        if not same_measurement(slo, live.get("slo")):
+            patch["slo"] = slo
+        # The conditions list is written whole, so only when SLOMet changes status or reason: the other
+        # conditions in this copy may be older than the reconcile's last write (which also refreshes
+        # SLOMet's message from the latest figures).
+        if (before.get("status"), before.get("reason")) != met[:2]:
+            patch["conditions"] = with_condition(live, "SLOMet", met, generation=generation, now=now)
+        if patch:  # nothing new: no write, no watch event for every tick of an idle service
+            await client.patch_status(DECODESERVICE, namespace, name, {"status": patch})
