@@ -15,10 +15,11 @@ WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY engine engine
 COPY proxy proxy
+COPY serving serving
 COPY operator operator
 COPY cli cli
 COPY bench bench
-RUN pip install . huggingface_hub
+RUN pip install ".[hf]"
 
 # Cache the bundled model so `bundled://smollm2-135m` needs no network at start.
 FROM build AS models

@@ -3,7 +3,9 @@ what a real API server adds.
 
 kmock stores objects exactly as posted. A real API server also assigns uid and resourceVersion on
 create, sets generation to 1 and bumps it on every spec change; `ApiServer` adds exactly that, so the
-operator's observedGeneration and owner references are exercised as they would be on a cluster.
+operator's observedGeneration and owner references are exercised as they would be on a cluster. It also
+serves server-side apply (`PATCH` with `application/apply-patch+yaml`) and keeps `managedFields` on every
+write, as `server_side_apply` models them (that module says what it leaves out).
 Needs kmock (the `test` extra); nothing in the product imports this module.
 """
 
@@ -17,8 +19,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kmock
+import yaml
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo, action, resource
 from kmock._internal import parsing as _kmock_parsing
+
+from decodeservice.bench import server_side_apply as ssa
 
 DS = "decode.dev/v1alpha1/decodeservices"
 DEPLOYMENTS = "apps/v1/deployments"
@@ -81,6 +86,11 @@ class ApiServer(KubernetesEmulator):
             if request.action == verb and request.resource == res and request.subresource is None:
                 self._rejections.remove(rejection)
                 raise KubernetesError(status=status, reason="Injected", message=f"injected {status}")
+        if (request.method == "PATCH" and request.resource is not None and request.subresource is None
+                and request.headers.get("Content-Type", "").startswith(APPLY_PATCH)):
+            await self._apply(request)
+            # State is written; kmock's scaffold runs the reactions and serves the stored object.
+            return await super(KubernetesEmulator, self)._handle(request)
         data = request.data
         if request.resource is not None and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
@@ -90,6 +100,7 @@ class ApiServer(KubernetesEmulator):
                 meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
                 if request.namespace and "namespace" not in meta:
                     meta["namespace"] = request.namespace
+                meta["managedFields"] = ssa.record_update(None, data, manager=_manager(request))
             elif request.action == action.UPDATE and request.name is not None:
                 key = (request.resource, request.namespace, request.name)
                 if key in self.objects and not self.objects[key].deleted:
@@ -97,8 +108,63 @@ class ApiServer(KubernetesEmulator):
                     new_spec = merge(live.get("spec"), data["spec"]) if "spec" in data else live.get("spec")
                     if request.subresource is None and new_spec != live.get("spec"):
                         meta["generation"] = int(live.get("metadata", {}).get("generation", 1)) + 1
+                    meta["managedFields"] = ssa.record_update(live, merge(live, data), manager=_manager(request))
             meta["resourceVersion"] = str(next(self._versions))
         return await super()._handle(request)
+
+
+    async def _apply(self, request: kmock.Request) -> None:
+        """Server-side apply: create or update the object as `server_side_apply.apply` computes it."""
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text)
+        manager = request.params.get("fieldManager")
+        if not isinstance(config, dict) or not manager:
+            raise KubernetesError(status=400, reason="BadRequest",
+                                  message="an apply patch needs a YAML object body and a fieldManager")
+        if request.resource is None or request.name is None:
+            raise KubernetesError(status=405, reason="MethodNotAllowed", message="apply needs an object's path")
+        if not any(r == request.resource for r in super(KubernetesEmulator, self)._get_resources()):
+            # As a real API server answers for an API group nobody installed (a missing CRD).
+            raise KubernetesError(status=404, reason="NotFound", message="the server could not find the requested resource")
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            stored = self._objects[key] if key in self._objects and not self._objects[key].deleted else None
+            live = copy.deepcopy(stored.raw) if stored is not None else None
+            try:
+                new = ssa.apply(live, config, manager=manager, force=request.params.get("force") == "true")
+            except ssa.ApplyConflict as exc:
+                raise KubernetesError(status=409, reason="Conflict", message=str(exc)) from None
+            meta = new["metadata"]
+            if live is None:
+                meta.update(uid=str(uuid.uuid4()), generation=1, namespace=request.namespace,
+                            creationTimestamp=datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                event = "ADDED"
+            elif _without_times(new) == _without_times(live):
+                return  # a no-op apply writes nothing, as on a real API server
+            else:
+                event = "MODIFIED"
+                if new.get("spec") != live.get("spec"):
+                    meta["generation"] = int(live["metadata"].get("generation", 1)) + 1
+            meta["resourceVersion"] = str(next(self._versions))
+            if key in self._objects:
+                self._objects[key].create(new)  # a new version of the history (create() appends one)
+            else:
+                self._objects[key] = new
+            await self._buses[request.resource].put({"type": event, "object": self._objects[key].raw})
+
+
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+def _manager(request: kmock.Request) -> str:
+    # As the API server names an Update's manager: the fieldManager parameter, else the user agent's product.
+    agent = request.headers.get("User-Agent", "unknown")
+    return request.params.get("fieldManager") or agent.split("/", 1)[0].strip() or "unknown"
+
+
+def _without_times(obj: Mapping[str, Any]) -> Any:
+    meta = dict(obj.get("metadata") or {})
+    meta["managedFields"] = [{k: v for k, v in e.items() if k != "time"} for e in meta.get("managedFields") or []]
+    return {**obj, "metadata": meta}
 
 
 def declare_resources(server: KubernetesEmulator) -> None:

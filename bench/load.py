@@ -5,14 +5,19 @@
 - Rate R: requests are sent at Poisson arrival times (exponential gaps of mean 1/R seconds, from a
   seeded generator, so a run can be repeated exactly), whether or not earlier ones have finished (an
   open loop; queueing shows up as growing TTFT).
+
+`run_level` is the one load generator of the project: `decodectl bench` runs it with the JSON-parsing
+`client.send`, and `benchmarks/proxy_overhead.py` with a lighter sender and a kept-alive client of its
+own (`sender=`, `client=`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,6 +74,8 @@ def poisson_schedule(count: int, *, rate: float, seed: int) -> list[float]:
 
 
 ProgressFn = Callable[[RequestRecord], None]
+# Sends one request over the client and times it; failures are recorded in the record, not raised.
+Sender = Callable[[httpx.AsyncClient, BenchRequest], Awaitable[RequestRecord]]
 
 
 async def run_level(
@@ -80,18 +87,31 @@ async def run_level(
     seed: int = 0,
     on_done: ProgressFn | None = None,
     timeout_s: float = 600.0,
+    client: httpx.AsyncClient | None = None,
+    sender: Sender | None = None,
 ) -> list[RequestRecord]:
-    """Send `requests` at `level` and return their records in request order."""
-    # Enough pooled connections that the client never queues requests the server could take.
+    """Send `requests` at `level` and return their records in request order.
+
+    `client`: reuse its (kept-alive) connections instead of opening a client for this level; it stays
+    open. `sender`: how one request is sent and timed (default: `client.send`, which parses each chunk).
+    """
     width = int(level.value) if level.kind == "concurrency" else len(requests)
-    limits = httpx.Limits(max_connections=max(1, width), max_keepalive_connections=max(1, width))
-    timeout = httpx.Timeout(timeout_s, connect=10.0)
     records: list[RequestRecord | None] = [None] * len(requests)
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async def default_sender(http: httpx.AsyncClient, request: BenchRequest) -> RequestRecord:
+        return await send(http, url=url, model=model, request=request)
+
+    send_one = sender or default_sender
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            # Enough pooled connections that the client never queues requests the server could take.
+            limits = httpx.Limits(max_connections=max(1, width), max_keepalive_connections=max(1, width))
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0)))
+        http = client
 
         async def one(index: int) -> None:
-            record = await send(client, url=url, model=model, request=requests[index])
+            record = await send_one(http, requests[index])
             records[index] = record
             if on_done is not None:
                 on_done(record)

@@ -19,16 +19,18 @@ Definitions (every time is measured on the client, with a monotonic clock):
 - **Goodput**: the share of *all* requests (failures count as misses) that meet every given SLO, and the
   same count divided by the wall time (req/s). Per request: `ttft` compares its TTFT; `itl` its mean
   inter-chunk gap; `tpot` its TPOT; `e2e` its end-to-end latency. Each bound is inclusive.
+- **Percentiles**: `decodeservice.serving.stats.percentile`, linear interpolation between the closest
+  ranks (numpy's default, as vLLM computes them).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from decodeservice.bench.errors import BenchConfigError
+from decodeservice.serving.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
@@ -144,11 +146,11 @@ class Distribution:
 
     @classmethod
     def of_seconds(cls, values: Iterable[float]) -> Distribution:
-        ms = np.asarray([v * 1000.0 for v in values], dtype=np.float64)
-        if ms.size == 0:
+        ms = [v * 1000.0 for v in values]
+        if not ms:
             return cls(mean=None, p50=None, p90=None, p99=None, count=0)
-        p50, p90, p99 = (float(np.percentile(ms, q)) for q in PERCENTILES)
-        return cls(mean=float(ms.mean()), p50=p50, p90=p90, p99=p99, count=int(ms.size))
+        p50, p90, p99 = (percentile(ms, q) for q in PERCENTILES)
+        return cls(mean=math.fsum(ms) / len(ms), p50=p50, p90=p90, p99=p99, count=len(ms))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -134,10 +134,17 @@ def plot(report: BenchReport, path: Path) -> None:
 
 
 def write(report: BenchReport, out_dir: Path) -> Sequence[Path]:
-    """Write report.json, report.md and report.png into `out_dir` (created if needed)."""
+    """Write report.json, report.md and report.png into `out_dir` (created if needed).
+
+    report.png needs matplotlib (`pip install 'decodeservice[bench]'`); without it the other two are written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "report.json", out_dir / "report.md", out_dir / "report.png"
     paths[0].write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
     paths[1].write_text(markdown(report), encoding="utf-8")
-    plot(report, paths[2])
+    try:
+        plot(report, paths[2])
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        return paths[:2]
     return paths

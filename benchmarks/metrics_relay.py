@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from decodeservice.bench.fake_engine import serve_loopback
 from decodeservice.engine.outputs import EngineStats
 from decodeservice.engine.server.metrics import ServerMetrics
 from decodeservice.proxy.app import create_app
 from decodeservice.proxy.engine_metrics import relay_text
 from decodeservice.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from decodeservice.proxy.policy import Policy
+
+# The repo root, for tests.support (the loopback server helper lives with the tests, outside the wheel).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.fake_engine import serve_loopback
 
 STATS = EngineStats(num_running=12, num_waiting=3, kv_cache_usage=0.42, num_blocks=1000, num_free_blocks=580,
                     prefix_cache_queries=10_000, prefix_cache_hits=4_000, num_preemptions=2, prompt_tokens=50_000,

@@ -1,6 +1,6 @@
 """Proxy overhead and batching-window sweep.
 
-Overhead mode (default): serves the fake engine (`decodeservice.bench.fake_engine`) with uvicorn in the
+Overhead mode (default): serves the fake engine (`tests/support/fake_engine.py`) with uvicorn in the
 load generator's own event loop and starts `decodectl proxy` as a subprocess, both on loopback, then
 runs `--concurrency` concurrent streams directly against the engine and through the proxy, alternating
 for `--rounds` paired rounds. Reports the added p50 TTFT (target < 1 ms), also as the median and
@@ -32,8 +32,6 @@ import gc
 import importlib.util
 import json
 import os
-import random
-import statistics
 import sys
 import tempfile
 import time
@@ -44,10 +42,17 @@ from typing import Any
 import httpx
 import uvloop
 
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
+from decodeservice.bench.client import BenchRequest
+from decodeservice.bench.load import LoadLevel, Sender, run_level
+from decodeservice.bench.metrics import RequestRecord
 from decodeservice.bench.procs import ChildServer, decodectl, free_port
 from decodeservice.proxy.streaming import SseMeter
 from decodeservice.proxy.transport import UpstreamTransport
+from decodeservice.serving.stats import percentile
+
+# The fake engine is test support, outside the installed packages: this study runs from a checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -93,19 +98,25 @@ async def proxy(upstream: str, policy_yaml: str, *, logs: Path, cpus: set[int] |
         child.stop()
 
 
-async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                      ) -> tuple[float | None, int, int]:
-    """(TTFT seconds, token events, HTTP status) of one streamed completion."""
-    start = time.perf_counter()
-    meter = SseMeter()  # a byte scan, the proxy's own (tests/proxy/test_streaming.py checks it)
-    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return None, 0, r.status_code
-        async for chunk in r.aiter_raw():
-            meter.feed(chunk, time.perf_counter())
-    times = meter.token_times
-    return (times[0] - start if times else None), len(times), 200
+def metered_sender(url: str, body: dict[str, Any], headers: dict[str, str]) -> Sender:
+    """Posts `body` as it is and times the token events with a byte scan, not a JSON parse per chunk.
+
+    The load generator shares a core with the engine, so its per-chunk work must stay small (the
+    default `send` parses every chunk). The scan is the proxy's own (tests/proxy/test_streaming.py).
+    """
+    async def send_metered(client: httpx.AsyncClient, request: BenchRequest) -> RequestRecord:
+        start = time.perf_counter()
+        meter = SseMeter()
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return RequestRecord(start=start, end=time.perf_counter(), error=f"HTTP {r.status_code}")
+            async for chunk in r.aiter_raw():
+                meter.feed(chunk, time.perf_counter())
+        times = tuple(meter.token_times)
+        return RequestRecord(start=start, end=time.perf_counter(), chunk_times=times, output_tokens=len(times))
+
+    return send_metered
 
 
 def load_client(concurrency: int) -> httpx.AsyncClient:
@@ -118,62 +129,39 @@ def load_client(concurrency: int) -> httpx.AsyncClient:
                              transport=UpstreamTransport(max_idle_per_origin=concurrency + 8))
 
 
-async def run_load(url: str, *, concurrency: int, requests: int, body: dict[str, Any],
+async def run_load(url: str, *, level: LoadLevel, requests: int, body: dict[str, Any],
                    headers: dict[str, str] | None = None, client: httpx.AsyncClient | None = None,
-                   ) -> dict[str, Any]:
-    """`requests` streams, at most `concurrency` at once; TTFT percentiles and output tokens/s.
+                   seed: int = 0) -> dict[str, Any]:
+    """`requests` streams at `level` (closed loop or Poisson, `bench.load.run_level`); TTFT percentiles
+    and output tokens/s.
 
     With `client`, its kept-alive connections are reused; otherwise a fresh client connects anew.
     """
+    planned = [BenchRequest(id=str(i), prompt=str(body["prompt"]), max_tokens=int(body["max_tokens"]))
+               for i in range(requests)]
     async with contextlib.AsyncExitStack() as stack:
         if client is None:
-            client = await stack.enter_async_context(load_client(concurrency))
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(client: httpx.AsyncClient) -> tuple[float | None, int, int]:
-            async with sem:
-                return await _one_stream(client, url, body, headers or {})
-
+            client = await stack.enter_async_context(load_client(requests))
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(client) for _ in range(requests)))
+        records = await run_level(url=url, model=str(body["model"]), requests=planned, level=level, seed=seed,
+                                  client=client, sender=metered_sender(url, body, headers or {}))
         wall = time.perf_counter() - start
-    ttfts = sorted(t for t, _, _ in results if t is not None)
-    tokens = sum(n for _, n, _ in results)
-    return {
-        "requests": requests, "ok": sum(1 for *_, s in results if s == 200), "wall_s": wall,
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    e2e = [r.e2e for r in records if r.error is None]
+    tokens = sum(r.output_tokens for r in records)
+    result = {
+        "requests": requests, "ok": sum(1 for r in records if r.error is None), "wall_s": wall,
         "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-        "ttft_p50_ms": statistics.median(ttfts) * 1000 if ttfts else None,
-        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else None,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000 if ttfts else None,
+        "ttft_p95_ms": percentile(ttfts, 95) * 1000 if ttfts else None,
     }
+    if level.kind == "rate":
+        result["e2e_p50_ms"] = percentile(e2e, 50) * 1000 if e2e else None
+    return result
 
 
-async def run_poisson(url: str, *, rate: float, requests: int, seed: int, body: dict[str, Any],
-                      headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Open loop: `requests` streams arriving as a seeded Poisson process of `rate` per second, so
-    arrivals are spread out the way independent users send them (a closed-loop burst arrives at once,
-    which no window can group further)."""
-    rng = random.Random(seed)
-    gaps = [rng.expovariate(rate) for _ in range(requests)]
-    async with load_client(requests) as client:
-        async def one(delay: float) -> tuple[float | None, int, int, float]:
-            await asyncio.sleep(delay)
-            sent = time.perf_counter()
-            ttft, tokens, status = await _one_stream(client, url, body, headers or {})
-            return ttft, tokens, status, time.perf_counter() - sent
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(sum(gaps[: i + 1])) for i in range(requests)))
-        wall = time.perf_counter() - start
-    ttfts = sorted(t for t, *_ in results if t is not None)
-    e2e = sorted(e for _, _, status, e in results if status == 200)
-    tokens = sum(n for _, n, _, _ in results)
-    return {
-        "requests": requests, "ok": sum(1 for _, _, status, _ in results if status == 200), "wall_s": wall,
-        "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-        "ttft_p50_ms": statistics.median(ttfts) * 1000 if ttfts else None,
-        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000 if ttfts else None,
-        "e2e_p50_ms": statistics.median(e2e) * 1000 if e2e else None,
-    }
+def closed_loop(concurrency: int) -> LoadLevel:
+    return LoadLevel(kind="concurrency", value=concurrency)
 
 
 OVERHEAD_POLICY = """\
@@ -222,7 +210,8 @@ async def _alternate(engine_url: str, proxy_url: str, pids: dict[str, int], roun
     """
     direct: list[dict[str, Any]] = []
     proxied: list[dict[str, Any]] = []
-    async with load_client(load["concurrency"]) as to_engine, load_client(load["concurrency"]) as to_proxy:
+    width = int(load["level"].value)
+    async with load_client(width) as to_engine, load_client(width) as to_proxy:
         await run_load(proxy_url, client=to_proxy, **load)  # warm-up: connections, imports
         await run_load(engine_url, client=to_engine, **load)
         for _ in range(rounds):
@@ -255,7 +244,7 @@ async def _overhead_rounds(args: argparse.Namespace, load: dict[str, Any], pins:
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     body = {"model": "fake-model", "prompt": "hello", "max_tokens": args.tokens, "stream": True}
     n = args.concurrency
-    load = {"concurrency": n, "requests": n, "body": body}
+    load = {"level": closed_loop(n), "requests": n, "body": body}
     pins = _pinning(args.pin)
     with tempfile.TemporaryDirectory() as tmp:
         if pins is not None:
@@ -264,11 +253,11 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
         direct, proxied = uvloop.run(_overhead_rounds(args, load, pins, Path(tmp)))
 
     def med(rows: list[dict[str, Any]], key: str) -> float:
-        return float(statistics.median(r[key] for r in rows))
+        return percentile([float(r[key]) for r in rows], 50)
 
     d_ttft, p_ttft = med(direct, "ttft_p50_ms"), med(proxied, "ttft_p50_ms")
     d_tps, p_tps = med(direct, "output_tokens_per_s"), med(proxied, "output_tokens_per_s")
-    paired = sorted(p["ttft_p50_ms"] - d["ttft_p50_ms"] for d, p in zip(direct, proxied, strict=True))
+    paired = [p["ttft_p50_ms"] - d["ttft_p50_ms"] for d, p in zip(direct, proxied, strict=True)]
     busy = sum(r["cpu_s"]["client_and_engine"] for r in direct) / sum(r["wall_s"] for r in direct)
     return {
         "mode": "overhead",
@@ -281,8 +270,8 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
         "proxy": {"ttft_p50_ms": p_ttft, "output_tokens_per_s": p_tps},
         "added_ttft_p50_ms": p_ttft - d_ttft,
         # Each proxied round minus the direct round before it: its median and quartiles show the noise.
-        "added_ttft_p50_ms_paired": {"median": statistics.median(paired),
-                                     "q1": paired[len(paired) // 4], "q3": paired[(3 * len(paired)) // 4]},
+        "added_ttft_p50_ms_paired": {"median": percentile(paired, 50), "q1": percentile(paired, 25),
+                                     "q3": percentile(paired, 75)},
         "throughput_loss_pct": 100.0 * (d_tps - p_tps) / d_tps,
         # Above ~0.8 the load generator itself queues requests, and TTFT measures that queue too.
         "load_generator_cpu_busy": busy,
@@ -294,12 +283,10 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _sweep_window(args: argparse.Namespace, engine_url: str, policy: str, logs: Path, body: dict[str, Any],
                         headers: dict[str, str]) -> dict[str, Any]:
+    level = LoadLevel(kind="rate", value=args.rate) if args.rate else closed_loop(args.concurrency)
     async with proxy(engine_url, policy, logs=logs) as prox:
-        if args.rate:
-            return await run_poisson(prox.url, rate=args.rate, requests=args.requests, seed=args.seed,
-                                     body=body, headers=headers)
-        return await run_load(prox.url, concurrency=args.concurrency, requests=args.requests,
-                              body=body, headers=headers)
+        return await run_load(prox.url, level=level, requests=args.requests, body=body, headers=headers,
+                              seed=args.seed)
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:

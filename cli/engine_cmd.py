@@ -13,6 +13,19 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
+    # Every default below is read from the config dataclasses, the one place each lives (torch-free).
+    from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, SpeculativeConfig, field_default
+    from decodeservice.engine.server.settings import ServerSettings
+
+    def engine(name: str) -> Any:
+        return field_default(EngineConfig, name)
+
+    def spec(name: str) -> Any:
+        return field_default(SpeculativeConfig, name)
+
+    def server(name: str) -> Any:
+        return field_default(ServerSettings, name)
+
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "engine", help="serve a model over the OpenAI API (completions, chat, /metrics, /health, /ready)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -21,29 +34,35 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
-    parser.add_argument("--kv-cache-gib", type=float, help="KV cache size in GiB (default: 1 on CPU, "
-                        "--gpu-memory-fraction of free memory on GPU)")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="GPU memory share (default 0.9)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per batch (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
+    parser.add_argument("--kv-cache-gib", type=float, help=f"KV cache size in GiB (default: {CPU_KV_CACHE_GIB:g} "
+                        "on CPU, --gpu-memory-fraction of free memory on GPU)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=engine("gpu_memory_fraction"),
+                        help="GPU memory share (default %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=engine("max_num_seqs"),
+                        help="max sequences per batch (default %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=engine("max_num_batched_tokens"),
+                        help="tokens per step (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", default=engine("dtype"), choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default=engine("device"), help="torch device, e.g. cpu or cuda (default %(default)s)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"], help="weight format")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
-    spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-method", choices=["none", "ngram", "draft", "self_draft"], default="none")
-    spec.add_argument("--num-speculative-tokens", type=int, default=8, help="most draft tokens per step, k (default 8)")
-    spec.add_argument("--draft-model", help="draft model for --speculative-method draft")
-    spec.add_argument("--speculative-disable-batch-size", type=int,
-                      help="turn speculation off at this many running sequences (default 32)")
-    spec.add_argument("--speculative-draft-row-cost", type=float,
-                      help="cost of verifying one more draft, as a fraction of a decode step (default 0.04, "
-                           "measured on CPU); sets how fast k shrinks with low acceptance and large batches")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--speculative-method", choices=["none", "ngram", "draft", "self_draft"], default="none")
+    group.add_argument("--num-speculative-tokens", type=int, default=spec("num_tokens"),
+                       help="most draft tokens per step, k (default %(default)s)")
+    group.add_argument("--draft-model", help="draft model for --speculative-method draft")
+    group.add_argument("--speculative-disable-batch-size", type=int,
+                       help=f"turn speculation off at this many running sequences (default {spec('disable_batch_size')})")
+    group.add_argument("--speculative-draft-row-cost", type=float,
+                       help=f"cost of verifying one more draft, as a fraction of a decode step (default "
+                            f"{spec('draft_row_cost')}, measured on CPU); sets how fast k shrinks with low "
+                            "acceptance and large batches")
+    parser.add_argument("--max-body-bytes", type=int, default=server("max_body_bytes"),
+                        help="request body limit in bytes (default %(default)s)")
+    parser.add_argument("--drain-timeout", type=float, default=server("drain_timeout_s"),
+                        help="seconds in-flight requests get to finish after SIGTERM (default %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run)
 

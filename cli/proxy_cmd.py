@@ -40,15 +40,16 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is not None and not args.tokenizer.is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file")
 
-    from decodeservice.proxy.app import DrainState, create_app
+    from decodeservice.proxy.app import create_app
     from decodeservice.proxy.serve import serve
+    from decodeservice.serving.lifecycle import Lifecycle, Phase
 
-    drain = DrainState()
+    lifecycle = Lifecycle(phase=Phase.READY)
     try:
         app = create_app(policy, upstream, tokenizer_path=str(args.tokenizer) if args.tokenizer else None,
-                         drain=drain)
+                         lifecycle=lifecycle)
     except Exception as exc:  # a tokenizer file that does not load
         raise UsageError(f"cannot start the proxy: {exc}") from None
-    serve(app, drain=drain, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+    serve(app, lifecycle=lifecycle, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
           log_level=args.log_level)
     return 0

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from decodeservice.engine.errors import ConfigError
 
 SpeculativeMethod = Literal["ngram", "draft", "self_draft"]
+
+# The KV pool on CPU when `kv_cache_gib` is not given (GiB).
+CPU_KV_CACHE_GIB = 1.0
+
+
+def field_default(cls: type[Any], name: str) -> Any:
+    """The default of a config dataclass field: the one source the CLI, the CRD schema and the docs
+    read (tests/test_defaults.py checks that they do)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is dataclasses.MISSING:
+                raise KeyError(f"{cls.__name__}.{name} has no plain default")
+            return f.default
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +109,7 @@ class EngineConfig:
     """How the engine runs. Built once; every bad combination is rejected here."""
 
     block_size: int = 16
-    # KV pool size. None: on CPU 0.5 GiB; on GPU, gpu_memory_fraction of free memory after weights.
+    # KV pool size. None: on CPU CPU_KV_CACHE_GIB; on GPU, gpu_memory_fraction of free memory after weights.
     kv_cache_gib: float | None = None
     gpu_memory_fraction: float = 0.9
     num_gpu_blocks_override: int | None = None  # tests use tiny pools to force preemption

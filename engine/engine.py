@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decodeservice.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelConfig, SpeculativeConfig
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from decodeservice.engine.kv_cache import KVCacheManager
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 Prompt = str | Seq[int]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_DEFAULT_KV_GIB = 1.0
 
 
 class Engine:
@@ -108,7 +107,7 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = max(free - (1 - cfg.gpu_memory_fraction) * total, 0)
         else:
-            budget = CPU_DEFAULT_KV_GIB * 2**30
+            budget = CPU_KV_CACHE_GIB * 2**30
         return int(budget // per_block)
 
     # -- requests ----------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ class KVCacheManager:
         return 1.0 - len(self._free) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold a prefix of `seq`. Nothing is claimed yet."""
@@ -160,3 +160,8 @@ class KVCacheManager:
             self._free[block_id] = None
             if block.block_hash is None:
                 self._free.move_to_end(block_id, last=False)  # nothing to reuse: evict first
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints, e.g. the blocks that hold a tokens: the project's one spelling."""
+    return -(-a // b)

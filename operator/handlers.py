@@ -16,6 +16,7 @@ import kopf
 from decodeservice.operator.autoscaler.controller import Autoscaling, AutoscalingConfig, settings_for
 from decodeservice.operator.errors import ApiError, ChildConflictError, InvalidSpecError
 from decodeservice.operator.kube import KINDS, KubeClient
+from decodeservice.operator.kube import login as kube_login
 from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas
 from decodeservice.operator.reconcile import apply_children
 from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, validate_spec
@@ -90,7 +91,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info = config.connection or kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        info = config.connection or kube_login(**kwargs)
         if info is not None:
             await session.relogin(info)
         return info
@@ -133,7 +134,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(str(exc), delay=delay) from exc
         kopf.adopt(children.all(), owner=body)
         try:
-            deployment = await apply_children(session.get(), children, owner_uid=str(body.metadata.uid),
+            applied = await apply_children(session.get(), children, owner_uid=str(body.metadata.uid),
                                               namespace=namespace, name=name)
         except ChildConflictError as exc:
             patch["status"] = invalid_status(name=name, generation=generation, reason=exc.reason,
@@ -148,11 +149,15 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             delay = config.backoff(retry)
             logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
             raise kopf.TemporaryError(str(exc), delay=delay) from exc
+        deployment, pool = applied.deployment, applied.inference_pool
+
         patch["status"] = derive_status(
             name=name, namespace=namespace, generation=generation,
             desired_replicas=desired_replicas(v) if replicas is None else replicas,
             deployment=deployment, slo_percentile=v.policy.slo.percentile, previous=previous,
             slo=autoscaling.latest_slo(str(body.metadata.uid)))
+        if pool.enabled:  # InferencePoolReady, only while spec.routing.inferencePool is on
+            patch["status"]["conditions"].append(pool.condition(generation=generation, previous=previous))
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)

@@ -25,6 +25,7 @@ from decodeservice.operator.engines import (
     plan_models,
 )
 from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.operator.inference_pool import build_inference_pool, pod_labels
 from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSpec, validate_spec
 
 DEFAULT_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0"
@@ -93,10 +94,11 @@ class Children:
     service: dict[str, Any]
     config_map: dict[str, Any]
     pdb: dict[str, Any] | None
+    inference_pool: dict[str, Any] | None = None
 
     def all(self) -> list[dict[str, Any]]:
         objs = [self.config_map, self.service, self.deployment]
-        return objs + ([self.pdb] if self.pdb is not None else [])
+        return objs + [o for o in (self.pdb, self.inference_pool) if o is not None]
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -249,7 +251,7 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
             "selector": {"matchLabels": selector_labels(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
-                "metadata": {"labels": labels, "annotations": {
+                "metadata": {"labels": {**labels, **pod_labels(v)}, "annotations": {
                     POLICY_HASH_ANNOTATION: policy_hash,
                     "prometheus.io/scrape": "true", "prometheus.io/port": str(PROXY_PORT),
                     "prometheus.io/path": "/metrics"}},
@@ -266,7 +268,8 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
     if replicas > 1:
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, labels),
                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
-    return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb)
+    pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=selector_labels(name))
+    return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb, inference_pool=pool)
 
 
 def render(body: Mapping[str, Any], *, options: BuildOptions | None = None,

@@ -1,19 +1,69 @@
-"""Bring the children in line with the desired objects, idempotently.
+"""Bring the children in line with the desired objects with server-side apply.
 
-Get-or-create by name (never generateName), so a retried create cannot make a twin: a 409 on create means
-an earlier attempt (or another worker) got there first, and we read the object back and patch it. Live
-objects are compared to the desired ones as a subset (the API server adds defaults we do not set), and
-only a difference is patched, so a resync of an unchanged service makes no writes.
+Each child is read once (to refuse one that another owner controls), then applied: `PATCH` with
+`application/apply-patch+yaml`, field manager `decodeservice-operator`, `force=true`. The API server
+creates the object if it is missing, makes a no-op of an unchanged one, takes back fields someone edited
+by hand, and removes every field we applied before and no longer apply (a nodeSelector key, a volume, an
+init container), which a merge patch never did. So there is no create/409/re-read dance and no diffing
+here: the API server owns the merge.
+
+Children written by the merge-patch versions of this operator are upgraded once (`upgraded_managed_fields`)
+so their leftover fields are removed too.
+
+An apply that would change nothing is not sent: each applied body carries the hash of itself in the
+`decode.dev/applied-hash` annotation, and a child whose hash matches and whose fields still hold our
+values (nobody edited them) is left alone. So a resync of an unchanged DecodeService makes no writes; a
+changed spec changes the hash, and that apply removes what we no longer set.
+
+Replicas are always ours to apply (`manifests.desired_replicas`). In autoscaling mode `external` an HPA
+or KEDA scales the DecodeService through its scale subresource (`spec.replicas`), never the Deployment,
+so the two never fight over the Deployment's `spec.replicas`.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from decodeservice.operator.errors import ApiError, ChildConflictError
-from decodeservice.operator.kube import KINDS, KubeClient, kind_of
+from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient, kind_of
 from decodeservice.operator.manifests import Children
+from decodeservice.operator.status import _conditions, now_iso
+
+APPLIED_HASH = "decode.dev/applied-hash"
+POOL_CONDITION = "InferencePoolReady"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolOutcome:
+    """What happened to the InferencePool: `applied` False with a reason when it could not be."""
+
+    enabled: bool
+    applied: bool
+    reason: str
+    message: str
+
+    def condition(self, *, generation: int, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+        """`InferencePoolReady`: True once applied; False with CRDNotInstalled when the cluster lacks the CRD."""
+        values = [(POOL_CONDITION, "True" if self.applied else "False", self.reason, self.message)]
+        return _conditions(values, generation=generation, previous=previous, now=now_iso())[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Applied:
+    deployment: dict[str, Any]
+    inference_pool: PoolOutcome
+
+
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
 
 
 def is_subset(desired: Any, live: Any) -> bool:
@@ -30,42 +80,98 @@ def is_subset(desired: Any, live: Any) -> bool:
     return bool(desired == live)
 
 
-def _controller_uid(obj: Mapping[str, Any]) -> str | None:
-    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
-        if isinstance(ref, Mapping) and ref.get("controller"):
-            return str(ref.get("uid"))
-    return None
+def with_applied_hash(desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The body to apply: `desired` plus the hash of `desired` in an annotation."""
+    body = copy.deepcopy(dict(desired))
+    digest = hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()[:16]
+    body["metadata"].setdefault("annotations", {})[APPLIED_HASH] = digest
+    return body
+
+
+async def _check_controller(client: KubeClient, desired: Mapping[str, Any], *,
+                            owner_uid: str) -> dict[str, Any] | None:
+    kind, meta = kind_of(desired), desired["metadata"]
+    live = await client.get(kind, str(meta["namespace"]), str(meta["name"]))
+    controller = _controller_uid(live) if live is not None else None
+    if controller is not None and controller != owner_uid:
+        raise ChildConflictError(f"{desired['kind']} {meta['namespace']}/{meta['name']} is controlled by another "
+                                 f"owner (uid {controller}); rename the DecodeService or remove that object")
+    return live
+
+
+def upgraded_managed_fields(live: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """managedFields with our merge-patch era ownership turned into apply ownership; None when not needed.
+
+    Before server-side apply this operator merge-patched its children, so the API server recorded its
+    fields under (decodeservice-operator, Update). Apply only removes fields the applier owns, so a field
+    from that era that we no longer set would stay forever. This is what kubectl's csaupgrade does: the
+    Update entry becomes our Apply entry, and the next apply removes what we no longer set.
+    """
+    entries = [e for e in (live.get("metadata") or {}).get("managedFields") or [] if isinstance(e, Mapping)]
+    ours = [e for e in entries if e.get("manager") == FIELD_MANAGER and not e.get("subresource")]
+    if any(e.get("operation") == "Apply" for e in ours) or not any(e.get("operation") == "Update" for e in ours):
+        return None
+    return [{**e, "operation": "Apply"} if e in ours else dict(e) for e in entries]
+
+
+async def _upgrade_ownership(client: KubeClient, live: Mapping[str, Any]) -> None:
+    upgraded = upgraded_managed_fields(live)
+    if upgraded is None:
+        return
+    meta = live["metadata"]
+    await client.json_patch(kind_of(live), str(meta["namespace"]), str(meta["name"]), [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "replace", "path": "/metadata/managedFields", "value": upgraded}])
 
 
 async def apply_child(client: KubeClient, desired: Mapping[str, Any], *, owner_uid: str) -> dict[str, Any]:
-    kind = kind_of(desired)
+    """Apply one child; an orphan with our name is adopted (the applied ownerReference), a foreign one refused."""
+    live = await _check_controller(client, desired, owner_uid=owner_uid)
+    if live is not None and _controller_uid(live) == owner_uid:
+        await _upgrade_ownership(client, live)
+    body = with_applied_hash(desired)
+    if live is not None and is_subset(body, live):
+        return live  # same hash: nothing to remove; every value still ours: nothing to set
     meta = desired["metadata"]
-    namespace, name = str(meta["namespace"]), str(meta["name"])
-    live = await client.get(kind, namespace, name)
-    if live is None:
+    return await client.apply(kind_of(desired), str(meta["namespace"]), str(meta["name"]), body)
+
+
+async def _apply_pool(client: KubeClient, children: Children, *, owner_uid: str, namespace: str,
+                      name: str) -> PoolOutcome:
+    kind = KINDS["InferencePool"]
+    if children.inference_pool is None:
         try:
-            return await client.create(kind, namespace, desired)
+            live = await client.get(kind, namespace, name)
         except ApiError as exc:
-            if not exc.conflict:
+            if exc.status not in (403, 404):
                 raise
-        live = await client.get(kind, namespace, name)
-        if live is None:  # created and deleted again between our two calls: let the retry sort it out
-            raise ApiError(status=409, api_reason="Conflict", message=f"{desired['kind']} {name} vanished")
-    controller = _controller_uid(live)
-    if controller is not None and controller != owner_uid:
-        raise ChildConflictError(f"{desired['kind']} {namespace}/{name} is controlled by another owner "
-                                 f"(uid {controller}); rename the DecodeService or remove that object")
-    if is_subset(desired, live):
-        return live
-    # Adopting an orphan and repairing drift are the same merge patch: our fields, our owner reference.
-    return await client.patch(kind, namespace, name, desired)
+            live = None  # no CRD, or a chart from before the pool existed (no RBAC): nothing of ours there
+        if live is not None and _controller_uid(live) == owner_uid:
+            await client.delete(kind, namespace, name)
+        return PoolOutcome(enabled=False, applied=False, reason="Disabled", message="spec.routing.inferencePool is off")
+    try:
+        await apply_child(client, children.inference_pool, owner_uid=owner_uid)
+    except ApiError as exc:
+        # Neither stops the Deployment from serving: say so in the condition and go on.
+        if exc.not_found:  # the API group is not served: the Gateway API Inference Extension CRD is missing
+            return PoolOutcome(enabled=True, applied=False, reason="CRDNotInstalled",
+                               message="the InferencePool CRD (inference.networking.k8s.io/v1) is not installed; "
+                                       "install the Gateway API Inference Extension CRDs to route through a pool")
+        if exc.status == 403:
+            return PoolOutcome(enabled=True, applied=False, reason="Forbidden",
+                               message="the operator may not write inferencepools.inference.networking.k8s.io; "
+                                       f"upgrade the chart (its RBAC grants that): {exc}")
+        raise
+    return PoolOutcome(enabled=True, applied=True, reason="Applied", message=f"InferencePool {name} applied")
 
 
 async def apply_children(client: KubeClient, children: Children, *, owner_uid: str, namespace: str,
-                         name: str) -> dict[str, Any]:
+                         name: str) -> Applied:
     """Apply every child (ConfigMap first, so a rolled pod finds its new policy); returns the live Deployment."""
     deployment: dict[str, Any] = {}
     for obj in children.all():
+        if obj is children.inference_pool:
+            continue  # applied last, and only where its CRD is installed
         live = await apply_child(client, obj, owner_uid=owner_uid)
         if obj is children.deployment:
             deployment = live
@@ -74,4 +180,5 @@ async def apply_children(client: KubeClient, children: Children, *, owner_uid: s
         live_pdb = await client.get(pdb_kind, namespace, name)
         if live_pdb is not None and _controller_uid(live_pdb) == owner_uid:
             await client.delete(pdb_kind, namespace, name)
-    return deployment
+    pool = await _apply_pool(client, children, owner_uid=owner_uid, namespace=namespace, name=name)
+    return Applied(deployment=deployment, inference_pool=pool)

@@ -19,12 +19,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError
 
+from decodeservice.engine.config import SpeculativeConfig, field_default
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
+from decodeservice.serving.camel_model import CamelModel
 
 GROUP = "decode.dev"
 VERSION = "v1alpha1"
@@ -43,10 +44,9 @@ MODEL_URI_PATTERN = (
 _MODEL_URI = re.compile(MODEL_URI_PATTERN)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid", frozen=True,
-    )
+# The shared camelCase base (decodeservice.serving.camel_model); the short local name keeps this file's
+# many class lines, and the branches that add to them, unchanged.
+_Model = CamelModel
 
 
 class EngineKind(enum.StrEnum):
@@ -79,7 +79,8 @@ class ModelSpec(_Model):
 
 class SpeculativeSpec(_Model):
     method: SpecMethod = SpecMethod.NONE
-    num_tokens: int = Field(4, ge=1, le=16)
+    # The engine's own default (adaptive k up to it); crds/decodeservice.yaml repeats it (tests/test_defaults.py).
+    num_tokens: int = Field(field_default(SpeculativeConfig, "num_tokens"), ge=1, le=16)
     draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
 
 
@@ -130,12 +131,40 @@ class AutoscalingSpec(_Model):
     waiting_threshold: float | None = Field(None, gt=0)
 
 
+class PortRef(_Model):
+    number: int = Field(ge=1, le=65535)
+
+
+class EndpointPickerFailureMode(enum.StrEnum):
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
+# The upstream InferencePool's endpointPickerRef, field for field, so it is copied into the pool as given.
+class EndpointPickerRef(_Model):
+    group: str = Field("", max_length=253, pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    kind: str = Field("Service", min_length=1, max_length=63, pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
+    name: str = Field(min_length=1, max_length=253)
+    port: PortRef | None = None
+    failure_mode: EndpointPickerFailureMode = EndpointPickerFailureMode.FAIL_CLOSE
+
+
+class InferencePoolSpec(_Model):
+    enabled: bool = False
+    endpoint_picker_ref: EndpointPickerRef | None = None
+
+
+class RoutingSpec(_Model):
+    inference_pool: InferencePoolSpec = Field(default_factory=lambda: InferencePoolSpec.model_validate({}))
+
+
 class DecodeServiceSpec(_Model):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec.model_validate({}))
     resources: ResourcesSpec = Field(default_factory=lambda: ResourcesSpec.model_validate({}))
     replicas: int = Field(1, ge=0, le=1000)
     autoscaling: AutoscalingSpec = Field(default_factory=lambda: AutoscalingSpec.model_validate({}))
+    routing: RoutingSpec = Field(default_factory=lambda: RoutingSpec.model_validate({}))
     # Kept as the raw mapping here; `policy` below validates it with the proxy's own model.
     policies: dict[str, Any] = Field(default_factory=dict)
 
@@ -181,6 +210,13 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(path=(), rule="self.engine.kind != 'vllm' || !self.model.uri.startsWith('bundled://')",
             message="bundled:// models are served by the builtin engine only",
             check=lambda o: o["engine"]["kind"] != "vllm" or not str(o["model"]["uri"]).startswith("bundled://")),
+    CelRule(path=("routing", "inferencePool"), rule="!self.enabled || has(self.endpointPickerRef)",
+            message="endpointPickerRef is required when the inference pool is enabled",
+            check=lambda o: not o.get("enabled", False) or "endpointPickerRef" in o),
+    # Upstream's own rule on InferencePool.spec.endpointPickerRef, checked here before the pool is rendered.
+    CelRule(path=("routing", "inferencePool", "endpointPickerRef"), rule="self.kind != 'Service' || has(self.port)",
+            message="port is required when kind is 'Service' or unspecified (defaults to 'Service')",
+            check=lambda o: o.get("kind", "Service") != "Service" or "port" in o),
     CelRule(path=("policies", "outputLength"), rule="self.defaultMaxTokens <= self.maxOutputTokens",
             message="defaultMaxTokens must be <= maxOutputTokens",
             check=lambda o: int(o.get("defaultMaxTokens", 256)) <= int(o.get("maxOutputTokens", 2048))),

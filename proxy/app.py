@@ -11,12 +11,12 @@ path except the proxy's own /health, /ready and /metrics is passed through to th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,7 +27,7 @@ from decodeservice.proxy.admission import Admission
 from decodeservice.proxy.batching_window import BatchingWindow
 from decodeservice.proxy.context import SCOPE_KEY, RequestContext, response_status, set_response_status
 from decodeservice.proxy.engine_metrics import EngineMetricsRelay
-from decodeservice.proxy.errors import Draining, Overloaded, ProxyError, error_response
+from decodeservice.proxy.errors import Overloaded
 from decodeservice.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from decodeservice.proxy.output_length import OutputLength
 from decodeservice.proxy.policy import Policy
@@ -35,53 +35,37 @@ from decodeservice.proxy.request_body import JsonBody
 from decodeservice.proxy.tenant_rate import TenantRateLimit
 from decodeservice.proxy.tokens import LocalTokenCounter, TokenCounter, UpstreamTokenCounter
 from decodeservice.proxy.upstream import Forwarder, PassThrough, make_client, upstream_ready
+from decodeservice.serving.errors import (
+    Draining,
+    OpenAIError,
+    ServiceUnavailable,
+    http_exception_handler,
+)
+from decodeservice.serving.lifecycle import Lifecycle, Phase
 
 log = logging.getLogger(__name__)
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-class DrainState:
-    """After `begin()`, new requests get 503 and /ready fails; `wait_idle()` returns once in-flight ends."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def begin(self) -> None:
-        self.draining = True
-
-    def enter(self) -> None:
-        self.active += 1
-        self._idle.clear()
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
-
-
 class DrainGate:
-    def __init__(self, app: ASGIApp, *, drain: DrainState):
+    """Once the lifecycle drains, new requests get 503; the ones let in are counted for the drain."""
+
+    def __init__(self, app: ASGIApp, *, lifecycle: Lifecycle):
         self.app = app
-        self.drain = drain
+        self.lifecycle = lifecycle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.drain.draining:
-            raise Draining("the proxy is shutting down; retry on another replica", headers={"Retry-After": "1"})
-        self.drain.enter()
+        if self.lifecycle.phase is Phase.DRAINING:
+            raise Draining()
+        self.lifecycle.enter()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.drain.leave()
+            self.lifecycle.leave()
 
 
 class ErrorBoundary:
-    """Renders ProxyError as OpenAI error JSON and counts every answer by class and status."""
+    """Renders OpenAIError as OpenAI error JSON and counts every answer by class and status."""
 
     def __init__(self, app: ASGIApp, *, metrics: ProxyMetrics):
         self.app = app
@@ -91,7 +75,7 @@ class ErrorBoundary:
         # `send` goes down untouched (no per-chunk wrapper); the relay records the status it sent.
         try:
             await self.app(scope, receive, send)
-        except ProxyError as exc:
+        except OpenAIError as exc:
             if response_status(scope):
                 raise  # internal invariant broken: components only raise before answering
             set_response_status(scope, exc.status_code)
@@ -104,7 +88,7 @@ class ErrorBoundary:
             status = 499  # nginx's "client closed request"
         self.metrics.answered(cls, status).inc()
 
-    def _count_refusal(self, scope: Scope, exc: ProxyError) -> None:
+    def _count_refusal(self, scope: Scope, exc: OpenAIError) -> None:
         ctx = scope.get(SCOPE_KEY)
         if isinstance(exc, Overloaded) and isinstance(ctx, RequestContext):
             self.metrics.shed.labels(ctx.priority.value, exc.reason).inc()
@@ -112,24 +96,31 @@ class ErrorBoundary:
             self.metrics.rejected.labels(exc.reason).inc()
 
 
-class ProxyApp(Starlette):
-    """Starlette, except that POSTs to the completion paths go straight to the policy chain.
+class ProxyApp:
+    """The proxy's ASGI app: POSTs to the completion paths go straight to the policy chain, the rest
+    to a Starlette router.
 
     Starlette's error and exception middleware each wrap `send`, a call per chunk of every stream. The
     chain has its own error boundary, and an unexpected exception is answered 500 by uvicorn just as
     by that middleware, so skipping it changes nothing a client sees. The same routes stay in the
-    router for anything the shortcut does not match exactly.
+    router for anything the shortcut does not match exactly. Composition over the public ASGI
+    interface, so no Starlette internals are overridden.
     """
 
-    completions: ASGIApp | None = None
+    def __init__(self, router: Starlette, *, completions: ASGIApp) -> None:
+        self.router = router
+        self.completions = completions
+
+    @property
+    def state(self) -> State:
+        return self.router.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.completions is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"] in COMPLETION_PATHS):
-            scope["app"] = self
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+            scope["app"] = self.router  # what Starlette's Request.app reads, as if routed
             await self.completions(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        await self.router(scope, receive, send)
 
 
 def create_app(
@@ -137,11 +128,11 @@ def create_app(
     upstream_url: str,
     *,
     tokenizer_path: str | None = None,
-    drain: DrainState | None = None,
-) -> Starlette:
-    """Build the proxy. `drain` lets the server (or a test) start draining; one is created if absent."""
+    lifecycle: Lifecycle | None = None,
+) -> ProxyApp:
+    """Build the proxy. `lifecycle` lets the server (or a test) start draining; one is made if absent."""
     metrics = ProxyMetrics(policy)
-    drain = drain or DrainState()
+    lifecycle = lifecycle or Lifecycle(phase=Phase.READY)
     client = make_client(max_connections=policy.admission.max_inflight + 16)
     counter: TokenCounter = (
         LocalTokenCounter(tokenizer_path) if tokenizer_path else UpstreamTokenCounter(client, upstream_url)
@@ -156,9 +147,9 @@ def create_app(
     chain = OutputLength(chain, policy=policy.output_length, counter=counter, metrics=metrics)
     chain = JsonBody(chain, max_body_bytes=policy.output_length.max_body_bytes,
                      default_class=policy.admission.default_class)
-    completions = ErrorBoundary(DrainGate(chain, drain=drain), metrics=metrics)
+    completions = ErrorBoundary(DrainGate(chain, lifecycle=lifecycle), metrics=metrics)
     passthrough = ErrorBoundary(
-        DrainGate(PassThrough(client=client, upstream_url=upstream_url, metrics=metrics), drain=drain),
+        DrainGate(PassThrough(client=client, upstream_url=upstream_url, metrics=metrics), lifecycle=lifecycle),
         metrics=metrics,
     )
 
@@ -166,11 +157,11 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        if drain.draining:
+        if lifecycle.draining:
             return Draining("the proxy is draining").to_response()
         if not await upstream_ready(client, upstream_url):
-            return error_response(503, "the upstream engine is not ready", error_type="service_unavailable",
-                                  code="upstream_not_ready", headers={"Retry-After": "1"})
+            return ServiceUnavailable("the upstream engine is not ready", code="upstream_not_ready",
+                                      headers={"Retry-After": "1"}).to_response()
         return JSONResponse({"status": "ready"})
 
     engine_metrics = EngineMetricsRelay(client, upstream_url)
@@ -179,14 +170,9 @@ def create_app(
         # The engine's vllm:* series follow the proxy's own, for the operator's autoscaler (METRICS.md).
         return Response(metrics.render() + await engine_metrics.render(), media_type=CONTENT_TYPE)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, exc.detail, error_type="invalid_request_error",
-                              headers=exc.headers)
-
     async def method_not_allowed(request: Request) -> Response:
-        return error_response(405, f"{request.method} is not allowed here; use POST",
-                              error_type="invalid_request_error", headers={"Allow": "POST"})
+        return OpenAIError(f"{request.method} is not allowed here; use POST", status_code=405,
+                           headers={"Allow": "POST"}).to_response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -204,11 +190,11 @@ def create_app(
         *(Route(path, method_not_allowed) for path in COMPLETION_PATHS),
         Mount("/", passthrough),
     ]
-    app = ProxyApp(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    app.completions = completions
+    router = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception_handler})
+    app = ProxyApp(router, completions=completions)
     app.state.policy = policy
     app.state.metrics = metrics
-    app.state.drain = drain
+    app.state.lifecycle = lifecycle
     app.state.admission = admission
     app.state.window = window
     app.state.client = client

@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from decodeservice.proxy.errors import PolicyError
+from decodeservice.serving.camel_model import CamelModel
 
 __all__ = [
     "AdmissionPolicy",
@@ -55,17 +56,9 @@ __all__ = [
 ]
 
 
-class _Model(BaseModel):
-    # validate_by_name lets Python code build policies with snake_case keywords; YAML/CRD use camelCase.
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-        frozen=True,
-        use_enum_values=False,
-    )
+# The shared camelCase base (decodeservice.serving.camel_model); the short local name keeps this file's
+# many class lines, and the branches that add to them, unchanged.
+_Model = CamelModel
 
 
 class LengthMode(enum.StrEnum):

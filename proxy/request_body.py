@@ -1,7 +1,7 @@
 """JSON body parser: the outermost policy component of the completion routes.
 
-It enforces `outputLength.maxBodyBytes` (413 before anything reaches the upstream, checked against
-Content-Length first so an oversized upload is not even read), parses the JSON object (400 when it is
+It enforces `outputLength.maxBodyBytes` with the shared reader (`decodeservice.serving.body`: 413
+before anything reaches the upstream, checked against Content-Length first), parses the JSON object (400 when it is
 not one), reads `x-priority` / `x-tenant`, and puts the `RequestContext` into the scope.
 """
 
@@ -13,8 +13,9 @@ import time
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decodeservice.proxy.context import RequestContext, set_context
-from decodeservice.proxy.errors import BadRequest, PayloadTooLarge
 from decodeservice.proxy.policy import PriorityClass
+from decodeservice.serving.body import read_body
+from decodeservice.serving.errors import BadRequest
 
 PRIORITY_HEADER = "x-priority"
 TENANT_HEADER = "x-tenant"
@@ -46,9 +47,7 @@ class JsonBody:
             elif key == _TENANT_KEY:
                 tenant = tenant if tenant is not None else value.decode("latin-1")
         priority = self._priority(priority_value)
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large()
-        raw = await self._read(receive)
+        raw = await read_body(receive, limit=self.max_body_bytes, content_length=declared)
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -74,24 +73,3 @@ class JsonBody:
                 f"header {PRIORITY_HEADER} must be one of: {allowed} (got {value!r})",
                 param=PRIORITY_HEADER, reason="invalid_priority",
             ) from None
-
-    async def _read(self, receive: Receive) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                # Nobody is left to answer; the boundary sees the disconnect and sends nothing useful.
-                raise BadRequest("client disconnected while sending the body", reason="disconnected")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    def _too_large(self) -> PayloadTooLarge:
-        return PayloadTooLarge(
-            f"request body exceeds the limit of {self.max_body_bytes} bytes", reason="body_too_large"
-        )

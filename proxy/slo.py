@@ -8,17 +8,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 
 from decodeservice.proxy.policy import PriorityClass, SloPolicy
-
-
-def quantile(values: list[float], q: float) -> float:
-    """Nearest-rank quantile, q in (0, 1]; values need not be sorted."""
-    assert values, "quantile of no values"
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return ordered[rank - 1]
+from decodeservice.serving.stats import percentile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,7 +50,7 @@ class SloTracker:
 
     def record(self, outcome: RequestOutcome) -> None:
         ttft_ok = outcome.ttft is not None and outcome.ttft * 1000.0 <= self._slo.ttft_ms
-        itl_ok = not outcome.itls or quantile(list(outcome.itls), self._slo.percentile / 100.0) * 1000.0 <= (
+        itl_ok = not outcome.itls or percentile(outcome.itls, self._slo.percentile) * 1000.0 <= (
             self._slo.itl_ms
         )
         self._samples[outcome.priority].append((outcome.finished, ttft_ok, itl_ok))
@@ -98,7 +90,7 @@ class LatencyModel:
 
     def ttft_quantile(self, q: float, *, now: float) -> float | None:
         self._prune(now)
-        return quantile([v for _, v in self._ttfts], q) if self._ttfts else None
+        return percentile((v for _, v in self._ttfts), q * 100.0) if self._ttfts else None
 
     def mean_service_time(self, *, now: float) -> float | None:
         self._prune(now)

@@ -17,7 +17,7 @@ import time
 import httpx
 from starlette.types import Message, Receive, Send
 
-from decodeservice.proxy.errors import error_body
+from decodeservice.serving.errors import ServerError
 
 # Connection-level headers are per hop (RFC 9110 7.6.1); the length is the ASGI server's business.
 HOP_BY_HOP = frozenset({
@@ -155,8 +155,8 @@ async def _pump(response: httpx.Response, send: Send, meter: SseMeter | None, re
     except httpx.HTTPError as exc:
         result.upstream_died = True
         if result.is_sse:
-            event = error_body(f"upstream connection lost mid-stream: {type(exc).__name__}",
-                               error_type="upstream_error", code="upstream_died")
+            event = ServerError(f"upstream connection lost mid-stream: {type(exc).__name__}",
+                                code="upstream_died").json()
             await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
     result.body_tail = bytes(tail)
     await send({"type": "http.response.body", "body": b"", "more_body": False})

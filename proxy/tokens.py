@@ -12,7 +12,8 @@ from typing import Any, Protocol
 import httpx
 
 from decodeservice.proxy.context import RequestContext
-from decodeservice.proxy.errors import BadRequest, UpstreamUnavailable
+from decodeservice.proxy.errors import UpstreamUnavailable
+from decodeservice.serving.errors import BadRequest
 
 
 class TokenCounter(Protocol):

@@ -41,8 +41,11 @@ class UpstreamClient(httpx.AsyncClient):
     CPU per request.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, transport: UpstreamTransport, **kwargs: Any) -> None:
+        super().__init__(transport=transport, **kwargs)
+        # The transport every request takes: a client given its own transport mounts no proxies from
+        # the environment, so this is the one httpx would pick, known without asking httpx's internals.
+        self.transport = transport
         self._none = _NoCookies()
 
     @property
@@ -78,6 +81,9 @@ async def _open(client: httpx.AsyncClient, request: httpx.Request, metrics: Prox
 
     With `transport` the client's send machinery (auth, redirects, cookies, event hooks) is skipped:
     the proxy's client configures none of it, and those layers cost about half as much as the transport.
+    `handle_async_request` is the public transport interface (the one custom transports implement);
+    the response then lacks only what the client would add (`elapsed`, closing through the client),
+    which the relay does not use: it closes the response itself.
     """
     try:
         if transport is None:
@@ -103,19 +109,18 @@ class Forwarder:
         self.client = client
         self.base = upstream_url.rstrip("/")
         self.metrics = metrics
-        # Per completion route: the parsed URL and the transport the client would pick for it (a
-        # proxy mount from the environment included); parsing a URL costs more than the rest of a request.
-        self._routes: dict[str, tuple[httpx.URL, httpx.AsyncBaseTransport]] = {}
+        # Per completion route, the parsed URL: parsing a URL costs more than the rest of a request.
+        self._urls: dict[str, httpx.URL] = {}
+        # Our own client's transport is called directly; any other client goes through `send`.
+        self._transport = client.transport if isinstance(client, UpstreamClient) else None
         self._timeout = client.timeout.as_dict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = get_context(scope)
         path: str = scope["path"]
-        route = self._routes.get(path)
-        if route is None:
-            url = httpx.URL(self.base + path)
-            route = self._routes[path] = (url, self.client._transport_for_url(url))
-        url, transport = route
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.base + path)
         # The client's own bytes when no policy changed the body: same JSON, no re-serialising.
         content = json.dumps(ctx.body).encode() if ctx.body_rewritten else ctx.raw_body
         # Built directly, not by `client.build_request`: merging in the client's defaults (User-Agent,
@@ -124,7 +129,7 @@ class Forwarder:
                                 headers=forward_headers(scope, content_type=b"application/json"),
                                 extensions={"timeout": self._timeout})
         started = time.perf_counter()
-        response = await _open(self.client, request, self.metrics, transport)
+        response = await _open(self.client, request, self.metrics, self._transport)
         meter = SseMeter()
         try:
             result = await relay(response, receive=receive, send=send, meter=meter,

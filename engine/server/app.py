@@ -28,10 +28,8 @@ from decodeservice.engine.errors import EngineDeadError, EngineError, InvalidReq
 from decodeservice.engine.outputs import EngineStats, RequestOutput
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.server import openai_format as fmt
-from decodeservice.engine.server.lifecycle import Lifecycle, Phase
 from decodeservice.engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from decodeservice.engine.server.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
@@ -39,6 +37,18 @@ from decodeservice.engine.server.protocol import (
 )
 from decodeservice.engine.server.settings import ServerSettings
 from decodeservice.engine.server.streaming import DONE, EventStreamResponse, sse
+from decodeservice.serving.body import read_body
+from decodeservice.serving.errors import (
+    BadRequest,
+    Draining,
+    NotFound,
+    OpenAIError,
+    ServerError,
+    ServiceUnavailable,
+    http_exception_handler,
+    openai_error_handler,
+)
+from decodeservice.serving.lifecycle import Lifecycle, Phase
 
 log = logging.getLogger("decodeservice.engine.server")
 M = TypeVar("M", bound=BaseModel)
@@ -61,53 +71,40 @@ class ServerState:
     def engine_for_request(self) -> AsyncEngine:
         phase = self.lifecycle.phase
         if phase is Phase.DRAINING:
-            raise ApiError(503, "the server is shutting down; retry on another replica", code="draining")
+            raise Draining()
         if self.aengine is None or phase is not Phase.READY:
-            raise ApiError(503, "the model is still loading" if phase is Phase.LOADING else
-                           f"the model failed to load: {self.lifecycle.failure}", code="not_ready")
+            raise ServiceUnavailable("the model is still loading" if phase is Phase.LOADING else
+                                     f"the model failed to load: {self.lifecycle.failure}", code="not_ready")
         if not self.aengine.is_alive:
-            raise ApiError(500, f"the engine loop has died: {self.aengine.dead_error!r}", code="engine_dead")
+            raise ServerError(f"the engine loop has died: {self.aengine.dead_error!r}", code="engine_dead")
         return self.aengine
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
-            raise ApiError(404, f"the model `{model}` does not exist; this server serves "
-                                f"`{self.settings.served_model_name}`", param="model", code="model_not_found")
+            raise NotFound(f"the model `{model}` does not exist; this server serves "
+                           f"`{self.settings.served_model_name}`", param="model", code="model_not_found")
 
 
 # -- request parsing -------------------------------------------------------------------------------
-async def read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    body = bytearray()
-    async for part in request.stream():  # a chunked body has no Content-Length: count as it comes
-        body += part
-        if len(body) > limit:
-            raise too_large
-    return bytes(body)
-
-
 async def parse(request: Request, model: type[M], limit: int) -> M:
-    body = await read_body(request, limit)
+    body = await read_body(request.receive, limit=limit, content_length=request.headers.get("content-length"))
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
         error = from_validation_error(exc)
         if exc.errors()[0]["type"] == "json_invalid":
-            error = ApiError(400, f"the body is not valid JSON: {exc.errors()[0]['msg']}", code="invalid_json")
+            error = BadRequest(f"the body is not valid JSON: {exc.errors()[0]['msg']}", code="invalid_json")
         raise error from None
 
 
-def engine_error(exc: EngineError) -> ApiError:
+def engine_error(exc: EngineError) -> OpenAIError:
     if isinstance(exc, PromptTooLongError):
-        return ApiError(400, str(exc), param=exc.param, code="context_length_exceeded")
+        return BadRequest(str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return ApiError(400, str(exc), param=exc.param, code="invalid_value")
+        return BadRequest(str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineDeadError):
-        return ApiError(500, str(exc), code="engine_dead")
-    return ApiError(500, f"engine error: {exc}", code="engine_error")
+        return ServerError(str(exc), code="engine_dead")
+    return ServerError(f"engine error: {exc}", code="engine_error")
 
 
 # -- generation ------------------------------------------------------------------------------------
@@ -184,7 +181,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         text = aengine.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
     except EngineError as exc:
-        raise ApiError(400, f"cannot render the chat: {exc}", param="messages", code="invalid_value") from None
+        raise BadRequest(f"cannot render the chat: {exc}", param="messages", code="invalid_value") from None
     prompt_ids = _encode(aengine, text, chat=True)
     # Like vLLM: without a limit, a chat answer may use the rest of the context.
     max_tokens = req.requested_max_tokens or aengine.engine.max_model_len - len(prompt_ids)
@@ -263,8 +260,8 @@ async def _events(gen: Generation, *, include_usage: bool, want_logprobs: bool) 
                                     logprobs=logprobs, include_usage_field=include_usage))
         if include_usage and final is not None:
             yield sse(fmt.usage_chunk(meta, final))
-    except (EngineError, ApiError) as exc:
-        error = exc if isinstance(exc, ApiError) else engine_error(exc)
+    except (EngineError, OpenAIError) as exc:
+        error = exc if isinstance(exc, OpenAIError) else engine_error(exc)
         yield sse(error.body())  # the status line is long gone: the error travels as an event
     yield DONE
 
@@ -284,7 +281,7 @@ async def tokenize(request: Request) -> Response:
     req = await parse(request, TokenizeRequest, state.settings.max_body_bytes)
     state.check_model(req.model)
     if state.aengine is None:
-        raise ApiError(503, "the model is still loading", code="not_ready")
+        raise ServiceUnavailable("the model is still loading", code="not_ready")
     tokenizer = state.aengine.tokenizer
     if req.messages is not None:
         text = tokenizer.apply_chat_template([{"role": "system" if m.role == "developer" else m.role,
@@ -322,20 +319,9 @@ async def metrics(request: Request) -> Response:
 
 
 # -- errors ----------------------------------------------------------------------------------------
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return JSONResponse(ApiError(exc.status_code, exc.detail, code=str(exc.status_code)).body(),
-                        status_code=exc.status_code, headers=exc.headers)
-
-
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return JSONResponse(ApiError(500, f"internal error: {exc!r}", code="internal_error").body(), status_code=500)
+    return ServerError(f"internal error: {exc!r}", code="internal_error").to_response()
 
 
 # -- the app ---------------------------------------------------------------------------------------
@@ -359,34 +345,20 @@ async def _load(state: ServerState, engine_factory: Callable[[], Engine], stop: 
     state.lifecycle.mark_ready()
 
 
-async def _drain_on_request(state: ServerState, stop: Callable[[], None]) -> None:
-    lifecycle = state.lifecycle
-    await lifecycle.wait_for_drain_request()
-    if lifecycle.phase is Phase.DRAINING:
-        log.info("draining: %d request(s) in flight, waiting up to %.0fs", lifecycle.inflight,
-                 state.settings.drain_timeout_s)
-        if not await lifecycle.wait_idle(state.settings.drain_timeout_s):
-            log.warning("drain grace period over; cutting off %d request(s)", lifecycle.inflight)
-        stop()
-
-
 def build_app(settings: ServerSettings, *, engine_factory: Callable[[], Engine],
               stop: Callable[[], None] | None = None) -> Starlette:
-    """`stop` asks the HTTP server to exit (after a drain or a failed load)."""
+    """`stop` asks the HTTP server to exit after a failed load (the server itself runs the drain)."""
     state = ServerState(settings)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.lifecycle.bind(asyncio.get_running_loop())
-        stopper = stop or (lambda: None)
-        tasks = [asyncio.create_task(_load(state, engine_factory, stopper)),
-                 asyncio.create_task(_drain_on_request(state, stopper))]
+        load = asyncio.create_task(_load(state, engine_factory, stop or (lambda: None)))
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
             if state.aengine is not None:
                 await asyncio.to_thread(state.aengine.shutdown)
 
@@ -399,7 +371,7 @@ def build_app(settings: ServerSettings, *, engine_factory: Callable[[], Engine],
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected}
+    handlers = {OpenAIError: openai_error_handler, HTTPException: http_exception_handler, Exception: _unexpected}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = state
     return app

@@ -1,4 +1,4 @@
-"""OpenAI request models and OpenAI error JSON.
+"""OpenAI request models; their errors are `decodeservice.serving.errors` (OpenAI error JSON).
 
 Requests are pydantic models with `extra="forbid"`: a field we do not implement is a 400 naming that
 field, never silently ignored. Fields we accept only at their neutral value (`n=1`, `echo=false`, ...)
@@ -12,47 +12,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decodeservice.engine.sampling_params import SamplingParams
+from decodeservice.serving.errors import BadRequest
 
 MAX_LOGPROBS = 20
 
 
-class ApiError(Exception):
-    """An error with its HTTP status, rendered as `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _default_type(status)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+def unsupported(param: str, detail: str) -> BadRequest:
+    return BadRequest(f"{param}: {detail} is not supported by this server", param=param,
+                      code="unsupported_parameter")
 
 
-def _default_type(status: int) -> str:
-    if status == 503:
-        return "service_unavailable_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
-
-
-def unsupported(param: str, detail: str) -> ApiError:
-    return ApiError(400, f"{param}: {detail} is not supported by this server", param=param,
-                    code="unsupported_parameter")
-
-
-def from_validation_error(exc: ValidationError) -> ApiError:
+def from_validation_error(exc: ValidationError) -> BadRequest:
     """The first pydantic error, as OpenAI reports it: one message and the offending parameter."""
     first = exc.errors(include_url=False)[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     if first["type"] == "extra_forbidden":
-        return ApiError(400, f"unsupported parameter {param!r}", param=param, code="unsupported_parameter")
+        return BadRequest(f"unsupported parameter {param!r}", param=param, code="unsupported_parameter")
     message = first["msg"].removeprefix("Value error, ")
-    return ApiError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+    return BadRequest(f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 
 class StreamOptions(BaseModel):
@@ -102,8 +79,8 @@ class _SamplingRequest(BaseModel):
         if self.logit_bias:
             raise unsupported("logit_bias", "logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options",
-                           code="invalid_value")
+            raise BadRequest("stream_options is only allowed when stream is true", param="stream_options",
+                             code="invalid_value")
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -185,7 +162,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise unsupported("response_format", "structured output")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         return self
 
     def conversation(self) -> list[dict[str, str]]:

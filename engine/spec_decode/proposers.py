@@ -4,19 +4,19 @@
   propose what followed them. No weights, nearly free, strong when the answer copies its input.
 - `DraftModelProposer`: a smaller model sharing the target's vocabulary runs k autoregressive steps.
   Self-drafting is the same class over the target's first L layers (plus its final norm and head).
-  The draft keeps its own paged KV cache (own block pool of the target's geometry), rolled back
-  with the target's after every verification.
+  The draft keeps its own paged KV cache (its own `KVCacheManager` over a pool of the target's
+  geometry, without prefix caching), rolled back with the target's after every verification.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from decodeservice.engine.kv_cache import KVCacheManager
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.runner import ModelRunner
 from decodeservice.engine.sampler import target_probs
@@ -85,12 +85,11 @@ class NgramProposer:
 
 @dataclass(eq=False, kw_only=True)
 class _DraftState:
-    """The draft model's view of one sequence: a shadow Sequence whose tokens are the real tokens
-    plus the latest drafts, whose num_computed_tokens counts the K/V valid in the draft cache, and
-    whose block_ids come from the draft's own pool."""
+    """The draft model's view of one sequence: a shadow Sequence whose prompt is the real tokens and
+    whose outputs are the draft model's own tokens (the latest drafts), whose num_computed_tokens
+    counts the K/V valid in the draft cache, and whose block_ids come from the draft's pool."""
 
     shadow: Sequence
-    num_real: int = 0  # tokens of the shadow that were real (not drafts) when last proposed
 
 
 class DraftModelProposer:
@@ -98,14 +97,14 @@ class DraftModelProposer:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=device,
                                   dtype=dtype, num_layers=num_layers)
-        self.block_size = block_size
         self.max_positions = model.rotary.max_positions
-        self._free_blocks: deque[int] = deque(range(num_blocks))
+        # Drafts are never shared between requests, so there is no prefix to cache.
+        self.kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
         self._states: dict[str, _DraftState] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return self.kv.num_free_blocks
 
     def owned_blocks(self) -> dict[str, list[int]]:
         """Block ids held per request id (for consistency checks)."""
@@ -142,8 +141,8 @@ class DraftModelProposer:
                     token = int(torch.multinomial(q, 1, generator=seq.generator))
                     probs[i].append(q)
                 drafts[i].append(token)
-                # The shadow carries the draft; the last one is never fed (its K/V waits for acceptance).
-                item.seq.prompt_token_ids.append(token)
+                # The shadow's output is the draft; the last one is never fed (its K/V waits for acceptance).
+                item.seq.output_token_ids.append(token)
                 if len(drafts[i]) < wanted[i]:
                     still.append(i)
             active = still
@@ -160,42 +159,31 @@ class DraftModelProposer:
             self._states[seq.request_id] = state
         shadow = state.shadow
         # Keep the computed draft K/V only as far as the shadow's tokens agree with the real ones:
-        # real tokens never change, so only the drafts past num_real need checking.
+        # real tokens never change, so only the shadow's drafts (its outputs) need checking.
         # The last real token is always fed again: its logits draft the first token.
+        seen = shadow.token_ids
         limit = min(shadow.num_computed_tokens, len(tokens) - 1)
-        valid = min(state.num_real, limit)
-        while valid < limit and shadow.prompt_token_ids[valid] == tokens[valid]:
+        valid = min(shadow.num_prompt_tokens, limit)
+        while valid < limit and seen[valid] == tokens[valid]:
             valid += 1
+        self.kv.truncate(shadow, valid)
         shadow.num_computed_tokens = valid
-        k = min(req.num_tokens, self.max_positions - len(tokens))
-        self._truncate(state, shadow.num_computed_tokens)
-        # Positions up to len(tokens) + k - 2 get K/V written (the last draft is not fed).
-        needed = -(-(len(tokens) + k - 1) // self.block_size) - len(shadow.block_ids)
-        if k < 1 or needed > len(self._free_blocks):
-            shadow.prompt_token_ids = list(tokens)
-            state.num_real = len(tokens)
-            return 0
-        for _ in range(max(needed, 0)):
-            shadow.block_ids.append(self._free_blocks.popleft())
         shadow.prompt_token_ids = list(tokens)
-        state.num_real = len(tokens)
+        shadow.output_token_ids = []
+        k = min(req.num_tokens, self.max_positions - len(tokens))
+        # Positions up to len(tokens) + k - 2 get K/V written (the last draft is not fed).
+        if k < 1 or not self.kv.allocate_slots(shadow, len(tokens) + k - 1 - valid):
+            return 0
         return k
-
-    def _truncate(self, state: _DraftState, num_tokens: int) -> None:
-        keep = -(-num_tokens // self.block_size)
-        spare = state.shadow.block_ids[keep:]
-        del state.shadow.block_ids[keep:]
-        self._free_blocks.extend(spare)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         state = self._states.get(seq.request_id)
         if state is None:
             return
         state.shadow.num_computed_tokens = min(state.shadow.num_computed_tokens, num_tokens)
-        self._truncate(state, state.shadow.num_computed_tokens)
+        self.kv.truncate(state.shadow, state.shadow.num_computed_tokens)
 
     def free(self, seq: Sequence) -> None:
         state = self._states.pop(seq.request_id, None)
         if state is not None:
-            self._free_blocks.extend(state.shadow.block_ids)
-            state.shadow.block_ids = []
+            self.kv.free(state.shadow)

@@ -1,4 +1,5 @@
-"""Fixtures: a fake streaming server in its own process, so its timing does not share our event loop."""
+"""Fixtures: the fake engine (tests/support/fake_engine.py) in its own process, so its timing does not
+share our event loop."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-FAKE = Path(__file__).with_name("fake_server.py")
+FAKE = Path(__file__).parents[1] / "support" / "fake_engine.py"
 
 
 def start_fake(*flags: str) -> tuple[subprocess.Popen[str], str]:

@@ -15,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from decodeservice.engine import AsyncEngine, Engine
-from decodeservice.engine.server.serve import DrainingServer, make_server
+from decodeservice.engine.server.serve import EngineServer, make_server
 from decodeservice.engine.server.settings import ServerSettings
 
 MODEL = "smollm2-135m"
@@ -33,7 +33,7 @@ def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, inte
 
 @dataclass
 class RunningServer:
-    server: DrainingServer
+    server: EngineServer
     url: str
 
     @property

@@ -54,6 +54,10 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
      "does not support self_draft"),
     ("cel-vllm-bundled", lambda s: (s["resources"].update(gpus=1), s["engine"].update(kind="vllm", kvCacheGiB=None)),
      "builtin engine only"),
+    ("cel-pool-needs-picker", lambda s: s.update(routing={"inferencePool": {"enabled": True}}),
+     "endpointPickerRef is required"),
+    ("cel-picker-service-port", lambda s: s.update(routing={"inferencePool": {
+        "enabled": True, "endpointPickerRef": {"name": "epp"}}}), "port is required when kind is 'Service'"),
     ("cel-default-over-cap", lambda s: s["policies"]["outputLength"].update(defaultMaxTokens=4096),
      "defaultMaxTokens must be <= maxOutputTokens"),
 ]

@@ -137,13 +137,19 @@ async def test_orphan_child_is_adopted(cluster: Cluster) -> None:
         assert svc["spec"]["ports"][0]["port"] == 8000
 
 
+def applies(cluster: Cluster, res: str) -> list[Any]:
+    """Server-side apply requests (PATCH with the apply content type) for one resource."""
+    return [r for r in cluster.server[action.UPDATE, resource(res)]
+            if r.headers.get("Content-Type", "").startswith("application/apply-patch+yaml")]
+
+
 @pytest.mark.parametrize("status", [500, 409])
 async def test_lost_responses_are_retried_without_duplicates(cluster: Cluster, status: int) -> None:
-    # kmock's reactions answer after the emulator stored the write: the create happened but the client got
-    # an error. The retry must find the object (get-or-create by name) and not create a twin.
+    # kmock's reactions answer after the emulator stored the write: the apply happened but the client got
+    # an error. The retry reads the object back, finds it up to date, and cannot make a twin anyway.
     error = KubernetesError(status=status, reason="Injected", message="injected")
     for res in (DEPLOYMENTS, SERVICES, CONFIGMAPS):
-        cluster.server[action.CREATE, resource(res)][:1] << error
+        cluster.server[action.UPDATE, resource(res)][:1] << error
     async for _ in run_operator(cluster):
         await cluster.create(smoke())
         ds = await cluster.wait_for(lambda: cluster.get(DS, "smoke")
@@ -151,27 +157,30 @@ async def test_lost_responses_are_retried_without_duplicates(cluster: Cluster, s
         for res, name in ((DEPLOYMENTS, "smoke"), (SERVICES, "smoke"), (CONFIGMAPS, "smoke-policy")):
             assert cluster.names(res) == [name]
             assert owned_by(cluster.get(res, name), ds)
-        # Every create names its object (no generateName), so a retry can only ever meet its own earlier write.
-        creates = list(cluster.server[action.CREATE, resource(DEPLOYMENTS)])
-        assert {r.data["metadata"]["name"] for r in creates} == {"smoke"}
+        # No POST at all: every write is an apply to the object's own path, so a retry meets its earlier write.
+        assert list(cluster.server[action.CREATE, resource(DEPLOYMENTS)]) == []
+        sent = applies(cluster, DEPLOYMENTS)
+        assert sent and {r.name for r in sent} == {"smoke"}
+        assert {r.params["fieldManager"] for r in sent} == {"decodeservice-operator"}
         assert len(list(cluster.server[action.FETCH, resource(DEPLOYMENTS)])) >= 2  # read back on the retry
 
 
 @pytest.mark.parametrize("status", [500, 409])
 async def test_rejected_writes_are_retried_without_duplicates(cluster: Cluster, status: int) -> None:
-    # Rejected before anything is written: the create and the patch must really be sent again.
-    cluster.server.reject_next(action.CREATE, DEPLOYMENTS, status)
-    cluster.server.reject_next(action.CREATE, SERVICES, status)
+    # Rejected before anything is written: the apply must really be sent again.
+    cluster.server.reject_next(action.UPDATE, DEPLOYMENTS, status)
+    cluster.server.reject_next(action.UPDATE, SERVICES, status)
     async for _ in run_operator(cluster):
         await cluster.create(smoke())
         await cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "smoke") and cluster.get(SERVICES, "smoke"),
-                               what="children after rejected creates")
-        assert len(list(cluster.server[action.CREATE, resource(DEPLOYMENTS)])) >= 2  # rejected, then sent again
+                               what="children after rejected applies")
+        assert len(applies(cluster, DEPLOYMENTS)) >= 2  # rejected, then sent again
         cluster.server.reject_next(action.UPDATE, DEPLOYMENTS, status)
+        before = len(applies(cluster, DEPLOYMENTS))
         await cluster.patch(f"{DS_PATH}/smoke", {"spec": {"replicas": 2}})
         await cluster.wait_for(lambda: (cluster.get(DEPLOYMENTS, "smoke") or {}).get("spec", {}).get("replicas") == 2,
-                               what="replicas 2 after a rejected patch")
-        assert len(list(cluster.server[action.UPDATE, resource(DEPLOYMENTS)])) >= 2
+                               what="replicas 2 after a rejected apply")
+        assert len(applies(cluster, DEPLOYMENTS)) >= before + 2
         assert cluster.names(DEPLOYMENTS) == ["smoke"]
         assert cluster.names(SERVICES) == ["smoke"]
 

@@ -12,9 +12,9 @@ import pytest
 import uvloop
 from starlette.applications import Starlette
 
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.proxy.app import create_app
 from decodeservice.proxy.policy import Policy
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item,

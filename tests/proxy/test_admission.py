@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 
-from decodeservice.bench.fake_engine import FakeEngine
 from decodeservice.proxy.admission import PriorityGate
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.policy import Policy, PriorityClass
+from tests.support.fake_engine import FakeEngine
 
 INTER, B = PriorityClass.INTERACTIVE, PriorityClass.BATCH
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodeservice.bench.fake_engine import FakeEngine
 from decodeservice.proxy.policy import PriorityClass
+from tests.support.fake_engine import FakeEngine
 
 B = PriorityClass.BATCH
 

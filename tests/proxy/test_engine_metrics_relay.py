@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from decodeservice.bench.fake_engine import serve_loopback
 from decodeservice.engine.outputs import EngineStats
 from decodeservice.engine.server.metrics import ServerMetrics
 from decodeservice.operator.autoscaler.scrape import parse_metrics
 from decodeservice.proxy.engine_metrics import EngineMetricsRelay
+from tests.support.fake_engine import serve_loopback
 
 
 @dataclass

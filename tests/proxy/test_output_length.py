@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from decodeservice.bench.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine
 
 CLAMP = {"outputLength": {"maxOutputTokens": 8, "defaultMaxTokens": 4, "mode": "clamp"}}
 REJECT = {"outputLength": {"maxOutputTokens": 8, "defaultMaxTokens": 4, "mode": "reject"}}

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decodeservice.bench.fake_engine import FakeEngine
 from decodeservice.cli.main import main
+from tests.support.fake_engine import FakeEngine
 
 
 def test_bad_policy_file_exits_2_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

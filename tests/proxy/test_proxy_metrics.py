@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodeservice.bench.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine
 
 METRICS_MD = Path(__file__).resolve().parents[2] / "proxy" / "METRICS.md"
 

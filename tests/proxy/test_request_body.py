@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from decodeservice.bench.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine
 
 SMALL = {"outputLength": {"maxBodyBytes": 200}}
 

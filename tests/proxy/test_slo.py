@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from decodeservice.proxy.policy import PriorityClass, SloPolicy
-from decodeservice.proxy.slo import LatencyModel, RequestOutcome, SloTracker, quantile
+from decodeservice.proxy.slo import LatencyModel, RequestOutcome, SloTracker
 
 
 def _outcome(t: float, ttft: float | None, itls: tuple[float, ...] = ()) -> RequestOutcome:
     return RequestOutcome(priority=PriorityClass.BATCH, finished=t, ttft=ttft, upstream_ttft=ttft,
                           service_time=1.0 + t, e2e=1.0, itls=itls, output_tokens=len(itls) + 1)
-
-
-def test_quantile_is_nearest_rank() -> None:
-    assert quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
-    assert quantile([3.0, 1.0, 2.0, 4.0], 0.95) == 4.0
-    assert quantile([5.0], 0.01) == 5.0
 
 
 def test_attainment_counts_objectives_and_forgets_old_requests() -> None:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from decodeservice.bench.fake_engine import FakeEngine
 from decodeservice.proxy.tenant_rate import TokenBucket
+from tests.support.fake_engine import FakeEngine
 
 
 def test_bucket_refills_at_the_rate_and_caps_at_capacity() -> None:

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.proxy.upstream import make_client
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 
 def _free_port_url() -> str:

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.proxy.transport import UpstreamTransport
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 STREAM = {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True}
 

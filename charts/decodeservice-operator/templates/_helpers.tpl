@@ -71,4 +71,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+# spec.routing.inferencePool: server-side apply creates (create + patch), a disabled pool is deleted.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}

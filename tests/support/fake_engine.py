@@ -1,11 +1,16 @@
-"""A small fake OpenAI-compatible engine, for the proxy's tests and its overhead benchmark.
+"""The one fake OpenAI-compatible engine: for the proxy's and `decodectl bench`'s tests and the proxy
+overhead benchmark. It is test support, not product: nothing under `decodeservice` imports it.
 
-It is a real Starlette app served by uvicorn on loopback. It streams `max_tokens` tokens (SSE) with a
-configurable time to first token and inter-token latency, and can be told to fail with a status, to
-die mid-stream (the connection breaks without a terminating chunk), or to report itself unready. It
-records the bodies it received and which streams were cancelled by their client.
-
-    python -m decodeservice.bench.fake_engine --port 8001 --ttft-ms 20 --itl-ms 10
+It is a real Starlette app served by uvicorn on loopback, in the caller's event loop
+(`serve_loopback`) or as its own process (`python tests/support/fake_engine.py --ttft 0.15 --itl 0.04`
+prints `PORT <n>` once it listens on 127.0.0.1, so its timing does not share the caller's loop). It
+streams `max_tokens` tokens (SSE), `tokens_per_chunk` per chunk: the first chunk `ttft_s` after the
+request, then one every `itl_s`. With `deadlines` (the process's default) chunk c is due at arrival +
+ttft + c * itl, so a late wake-up is caught up and a client's measurements can be checked against the
+exact truth; without, each chunk waits `itl_s` after the one before, as an engine's steps do (the
+proxy overhead benchmark's pacing). It can be told to fail with a status, to die mid-stream (the connection breaks without a
+terminating chunk), to report itself unready, to leave out the usage chunk or the model list. It
+records the bodies it received (also at GET /debug/requests) and which streams were cancelled.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ class FakeEngine:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     default_tokens: int = 16
+    tokens_per_chunk: int = 1
+    deadlines: bool = False  # pace chunks against absolute deadlines from arrival (see the docstring)
+    usage: bool = True  # send the usage chunk when the request asks for it (stream_options.include_usage)
+    list_models: bool = True  # False: GET /v1/models is a 404, as on some servers
     ready: bool = True
     fail_status: int | None = None  # answer every completion with this status
     die_after_tokens: int | None = None  # break the connection after this many tokens
@@ -57,11 +66,12 @@ class FakeEngine:
         return Starlette(routes=[
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
+            *([Route("/v1/models", self._models, methods=["GET"])] if self.list_models else []),
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/ready", self._ready, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/debug/requests", self._debug_requests, methods=["GET"]),
         ])
 
     async def wait_for(self, predicate: Callable[[FakeEngine], bool], *, timeout: float = 5.0) -> None:
@@ -79,6 +89,7 @@ class FakeEngine:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
+        arrived = time.perf_counter()
         body = await request.json()
         self.received.append(body)
         if self.fail_status is not None:
@@ -86,8 +97,9 @@ class FakeEngine:
                                            "code": None}}, status_code=self.fail_status)
         n = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_tokens
         if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(n, chat=chat, usage=usage), media_type="text/event-stream")
+            usage = self.usage and bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._stream(n, chat=chat, usage=usage, arrived=arrived),
+                                     media_type="text/event-stream")
         await asyncio.sleep(self.ttft_s + self.itl_s * max(0, n - 1))
         text = "".join(f" t{i}" for i in range(n))
         choice: dict[str, Any] = (
@@ -98,22 +110,25 @@ class FakeEngine:
                              "model": MODEL, "choices": [choice],
                              "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
 
-    async def _stream(self, n: int, *, chat: bool, usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, n: int, *, chat: bool, usage: bool, arrived: float) -> AsyncIterator[bytes]:
         self.started += 1
         self.start_times.append(time.perf_counter())
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            if chat:
+            if chat:  # the role-only chunk, which a client must not count as the first token
                 yield _sse(_chat_chunk({"role": "assistant", "content": ""}, None))
-            await asyncio.sleep(self.ttft_s)
-            for i in range(n):
-                if i:
-                    await asyncio.sleep(self.itl_s)
-                if self.die_after_tokens is not None and i >= self.die_after_tokens:
+            k = self.tokens_per_chunk
+            for c, first in enumerate(range(0, n, k)):
+                if self.deadlines:
+                    await asyncio.sleep(max(0.0, arrived + self.ttft_s + c * self.itl_s - time.perf_counter()))
+                else:
+                    await asyncio.sleep(self.itl_s if c else self.ttft_s)
+                if self.die_after_tokens is not None and first >= self.die_after_tokens:
                     raise EngineCrash("injected mid-stream death")
-                finish = "length" if i == n - 1 else None
-                yield _sse(_chat_chunk({"content": f" t{i}"}, finish) if chat else _text_chunk(f" t{i}", finish))
+                text = "".join(f" t{i}" for i in range(first, min(n, first + k)))
+                finish = "length" if first + k >= n else None
+                yield _sse(_chat_chunk({"content": text}, finish) if chat else _text_chunk(text, finish))
             if usage:
                 yield _sse({"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
                             "model": MODEL, "choices": [],
@@ -146,6 +161,9 @@ class FakeEngine:
 
     async def _metrics(self, request: Request) -> Response:
         return PlainTextResponse(f"fake_engine_requests_started {self.started}\n")
+
+    async def _debug_requests(self, request: Request) -> Response:
+        return JSONResponse(self.received)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -190,14 +208,23 @@ async def serve_loopback(app: ASGIApp, *, startup_timeout: float = 10.0) -> Asyn
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    parser.add_argument("--ttft-ms", type=float, default=20.0)
-    parser.add_argument("--itl-ms", type=float, default=10.0)
+    parser.add_argument("--port", type=int, default=0, help="on 127.0.0.1; 0 (default) picks a free one")
+    parser.add_argument("--ttft", type=float, default=0.02, help="seconds to the first chunk")
+    parser.add_argument("--itl", type=float, default=0.01, help="seconds between chunks")
     parser.add_argument("--tokens", type=int, default=64, help="tokens when the request sets no max_tokens")
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--no-usage", action="store_true", help="never send the usage chunk")
+    parser.add_argument("--no-models", action="store_true", help="no GET /v1/models (404), as on some servers")
     args = parser.parse_args()
-    engine = FakeEngine(ttft_s=args.ttft_ms / 1000.0, itl_s=args.itl_ms / 1000.0, default_tokens=args.tokens)
-    uvicorn.run(engine.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    engine = FakeEngine(ttft_s=args.ttft, itl_s=args.itl, default_tokens=args.tokens,
+                        tokens_per_chunk=args.tokens_per_chunk, deadlines=True, usage=not args.no_usage,
+                        list_models=not args.no_models)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", args.port))
+    engine.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    print(f"PORT {sock.getsockname()[1]}", flush=True)  # the stop word the caller waits for
+    uvicorn.Server(uvicorn.Config(engine.app(), log_level="warning", access_log=False, lifespan="off")).run(
+        sockets=[sock])
 
 
 if __name__ == "__main__":

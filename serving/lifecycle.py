@@ -1,8 +1,9 @@
-"""Readiness and drain: loading -> ready -> draining, or failed.
+"""Readiness and drain, one state machine for both servers: loading -> ready -> draining, or failed.
 
 `/ready` is 200 only in READY: a Kubernetes readiness probe takes the pod out of its Service while the
-model loads and as soon as SIGTERM arrives. Draining refuses new generations (503, so a proxy retries
-elsewhere) while the in-flight ones finish, up to a bounded grace period.
+model loads and as soon as SIGTERM arrives. Draining refuses new requests (503, so a client or proxy
+retries elsewhere) while the in-flight ones finish, up to a bounded grace period (`DrainingServer`).
+The engine starts in LOADING; the proxy, which has nothing to load, starts in READY.
 """
 
 from __future__ import annotations
@@ -22,20 +23,20 @@ class Phase(enum.Enum):
 
 
 class Lifecycle:
-    """Owned by the event loop; `request_drain` alone may be called from a signal handler."""
+    """Owned by the event loop; `request_drain` alone may be called from a signal handler or thread."""
 
-    def __init__(self) -> None:
-        self.phase = Phase.LOADING
+    def __init__(self, *, phase: Phase = Phase.LOADING) -> None:
+        self.phase = phase
         self.failure: str | None = None
+        self.drain_started: float | None = None
         self._inflight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
-        self.drain_started: float | None = None
+        # asyncio.Event binds to a loop on first wait, not here, so building this off the loop is fine.
+        self._changed = asyncio.Event()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Attach to the serving loop (asyncio primitives belong to one loop)."""
+        """Name the serving loop, so `request_drain` from another thread wakes waiters on it."""
         self._loop = loop
-        self._changed = asyncio.Event()
 
     @property
     def inflight(self) -> int:
@@ -44,6 +45,10 @@ class Lifecycle:
     @property
     def ready(self) -> bool:
         return self.phase is Phase.READY
+
+    @property
+    def draining(self) -> bool:
+        return self.phase is Phase.DRAINING
 
     def mark_ready(self) -> None:
         if self.phase is Phase.LOADING:
@@ -62,26 +67,35 @@ class Lifecycle:
             self.drain_started = time.monotonic()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._notify)
+        else:
+            self._notify()
+
+    # `enter`/`leave` are the proxy's per-request hot path (no context manager frame); `track` wraps them.
+    def enter(self) -> None:
+        self._inflight += 1
+
+    def leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._notify()
 
     @contextmanager
     def track(self) -> Iterator[None]:
-        """Counts one in-flight generation for the drain to wait on."""
-        self._inflight += 1
+        """Counts one in-flight request for the drain to wait on."""
+        self.enter()
         try:
             yield
         finally:
-            self._inflight -= 1
-            self._notify()
+            self.leave()
 
     async def wait_for_drain_request(self) -> None:
         await self._wait(lambda: self.phase in (Phase.DRAINING, Phase.FAILED), timeout=None)
 
-    async def wait_idle(self, timeout: float) -> bool:
+    async def wait_idle(self, timeout: float | None) -> bool:
         """True once nothing is in flight; False if `timeout` passed first."""
         return await self._wait(lambda: self._inflight == 0, timeout=timeout)
 
     async def _wait(self, condition: Callable[[], bool], *, timeout: float | None) -> bool:
-        assert self._changed is not None, "bind() the lifecycle to the serving loop first"
         deadline = None if timeout is None else time.monotonic() + timeout
         while not condition():
             self._changed.clear()
@@ -95,6 +109,4 @@ class Lifecycle:
         return True
 
     def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-
+        self._changed.set()
