@@ -31,6 +31,7 @@ from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode,
 from decodeservice.operator.status import now_iso, slo_condition, with_condition
 
 DECODESERVICE = Kind(api_version=f"{GROUP}/{VERSION}", plural=PLURAL)
+FIELD_MANAGER = "decodeservice-autoscaler"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,8 +206,11 @@ class Autoscaling:
             now = now_iso()
             state.decided = decision.desired_replicas
             if decision.changed:
-                await client.patch(KINDS["Deployment"], namespace, name,
-                                   {"spec": {"replicas": decision.desired_replicas}})
+                # Server-side apply of the one field, under a manager of its own: the operator's applies
+                # (which carry this same decision) keep owning the rest of the Deployment.
+                await client.apply(KINDS["Deployment"], namespace, name, {
+                    "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"replicas": decision.desired_replicas}}, field_manager=FIELD_MANAGER)
                 state.last_scale_time = now
         if decision.changed:
             try:

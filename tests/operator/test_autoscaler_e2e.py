@@ -219,6 +219,12 @@ async def test_breach_scales_up_within_one_interval_up_to_max_then_down_after_th
         assert any(e["message"].startswith("1 -> ") for e in up), up
         assert all(e["type"] == "Normal" and e["involvedObject"]["kind"] == "DecodeService" for e in up)
 
+        # The autoscaler applied only the replicas, under its own field manager: the rest stays the operator's.
+        dep = cluster.get(DEPLOYMENTS, "svc") or {}
+        assert [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]] == ["engine", "proxy"]
+        managers = {(m["manager"], m["operation"]) for m in dep["metadata"].get("managedFields") or []}
+        assert {("decodeservice-autoscaler", "Apply"), ("decodeservice-operator", "Apply")} <= managers, managers
+
         # Max holds: four more ticks of breach never write more than 3.
         ticks = len(first.scrapes)
         await cluster.wait_for(lambda: len(first.scrapes) >= ticks + 4, what="four ticks at max")
