@@ -96,6 +96,7 @@ class Autoscaling:
         self.config = config
         self._states: dict[str, _State] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._closed = False
         self._http: aiohttp.ClientSession | None = None
 
     def decided(self, uid: str) -> int | None:
@@ -120,6 +121,7 @@ class Autoscaling:
         return lock
 
     async def close(self) -> None:
+        self._closed = True  # the daemons end on their own instead of ticking against a closed client
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -149,18 +151,21 @@ class Autoscaling:
 
     def _session(self) -> aiohttp.ClientSession:
         # Its own session: the API client's carries the operator's credentials, which pods must never see.
+        if self._closed:
+            raise kopf.TemporaryError("the operator is shutting down")  # no session that nobody would close
         if self._http is None:
             self._http = aiohttp.ClientSession(headers={"User-Agent": "decodeservice-autoscaler"})
         return self._http
 
     async def run(self, *, uid: str, body: Mapping[str, Any], client: Callable[[], KubeClient],
                   stopped: kopf.DaemonStopped, logger: kopf.Logger) -> None:
-        """Tick every interval until kopf stops the daemon. A failed tick is logged (once while the same
-        failure repeats) and the next one tries again: scaling must not stop on one bad answer."""
+        """Tick every interval until kopf stops the daemon or the operator closes this (its cleanup). A
+        failed tick is logged (once while the same failure repeats) and the next one tries again: scaling
+        must not stop on one bad answer."""
         loop = asyncio.get_running_loop()
         interval, last_warning = self.config.interval_seconds, ""
         try:
-            while not stopped:
+            while not stopped and not self._closed:
                 started, warning = loop.time(), ""
                 try:
                     result = await self.tick(client(), validate_spec(body.get("spec")), body)
