@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from decodeservice.cli.main import UsageError
@@ -28,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from decodeservice.operator.manifests import BuildOptions, render
 
     try:
-        text = sys.stdin.read() if args.filename == "-" else open(args.filename, encoding="utf-8").read()
+        # read_text closes the file (a bare open().read() leaks the handle until GC, a ResourceWarning).
+        text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read {args.filename}: {exc.strerror}") from None
     try:

@@ -26,6 +26,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    cache_salt: str | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -79,7 +80,7 @@ class AsyncEngine:
         return self.engine.encode_prompt(prompt)
 
     async def generate(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream snapshots of one request. Closing the iterator early (a client went away) aborts the
         request, which frees its KV blocks within one engine step."""
         if self.dead_error is not None:
@@ -87,7 +88,8 @@ class AsyncEngine:
         prompt_ids = self.encode(prompt)
         request_id = request_id or f"areq-{next(self._ids)}"
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, sink, asyncio.get_running_loop()))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, sink,
+                                asyncio.get_running_loop()))
         self._wakeup.set()
         finished = False
         try:
@@ -144,7 +146,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id,
-                                        priority=command.priority)
+                                        priority=command.priority, cache_salt=command.cache_salt)
             except EngineError as exc:
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 continue

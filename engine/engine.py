@@ -112,13 +112,16 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """`cache_salt`: only requests with the same salt (or all without one) share cached prefixes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
         prompt_ids = self.encode_prompt(prompt)
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority,
-                       generator=make_generator(params, self.device))
+                       cache_salt=cache_salt, generator=make_generator(params, self.device))
         self._requests[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(seq)
@@ -188,6 +191,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         new_tokens: list[int] = []
+        reason = None
         for position, token in enumerate(candidates):
             seq.output_token_ids.append(token)
             new_tokens.append(token)
@@ -195,11 +199,14 @@ class Engine:
                 seq.logprobs.append(token_logprob(rows[position], token, seq.params.logprobs))
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self._finish(seq, reason)
                 break
         self.generation_tokens_total += len(new_tokens)
-        if not seq.is_finished:
-            self.kv.cache_full_blocks(seq)
+        # Publish before finishing too: the last chunk of a prompt that ends here (one-token answers,
+        # a stop at once) would otherwise never reach the prefix cache, and a follow-up on the same
+        # long prompt would recompute up to a whole chunk of it.
+        self.kv.cache_full_blocks(seq)
+        if reason is not None:
+            self._finish(seq, reason)
         return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

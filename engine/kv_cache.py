@@ -2,8 +2,13 @@
 
 The K/V tensors live in the model runner; this module only decides which block ids a sequence owns.
 
-Prefix caching works on full blocks. A full block's identity is a chained hash of its parent block's
-hash and its own token ids, so equal hashes mean equal prefixes. Blocks are reference-counted: a
+Prefix caching works on full blocks. A full block's identity is a chained SHA-256 digest of its parent
+block's digest and its own token ids (see `chain_hash`), so equal digests mean equal prefixes: a hit is
+served without comparing tokens, which is sound only because finding a collision in SHA-256 is
+infeasible. (Python's 64-bit `hash()` was used before; it is not collision resistant, so a crafted
+prompt could collide with another tenant's prefix and read or poison its K/V, as in vLLM's advisory
+GHSA-rm76-4mrf-v9r8.) An optional per-request cache salt enters the root of the chain, so requests
+with different salts never share a block. Blocks are reference-counted: a
 cached prefix can back many live sequences at once. A block whose count drops to zero goes to the
 free queue but keeps its hash, so a later request can revive it until it is evicted (least recently
 freed first; blocks without a hash are evicted before any cached one).
@@ -11,6 +16,9 @@ freed first; blocks without a hash are evicted before any cached one).
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -22,12 +30,32 @@ from decodeservice.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
-def chain_hash(parent_hash: int | None, token_ids: Seq[int]) -> int:
-    # Python's hash of a tuple of ints is deterministic across processes (no hash randomisation).
-    return hash((parent_hash, tuple(token_ids)))
+BlockHash = bytes  # a 32-byte SHA-256 digest
+_ROOT_DOMAIN = b"decodeservice.kv-prefix.v1\x00"
+
+
+def root_hash(cache_salt: str | None = None) -> BlockHash:
+    """The parent digest of a sequence's first block. The salt is tagged so that no salt and every
+    salt (the empty string included) give different roots."""
+    if cache_salt is None:
+        return hashlib.sha256(_ROOT_DOMAIN + b"\x00").digest()
+    return hashlib.sha256(_ROOT_DOMAIN + b"\x01" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def chain_hash(parent: BlockHash, token_ids: Seq[int]) -> BlockHash:
+    """SHA-256 over a canonical encoding: the parent's 32-byte digest, the block's token count as a
+    little-endian uint32, then each token id as a little-endian uint64. Fixed-width fields make the
+    encoding injective, so only a SHA-256 collision can make two different prefixes share a key."""
+    tokens = array("Q", token_ids)  # OverflowError on a negative id: token ids are checked upstream
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    digest = hashlib.sha256(parent)
+    digest.update(len(tokens).to_bytes(4, "little"))
+    digest.update(tokens.tobytes())
+    return digest.digest()
 
 
 class KVCacheManager:
@@ -39,8 +67,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
-        self._seq_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full, computed blocks
+        self._cached: dict[BlockHash, int] = {}  # block digest -> block id
+        self._seq_hashes: dict[str, list[BlockHash]] = {}  # request id -> digests of its full, computed blocks
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -64,7 +92,7 @@ class KVCacheManager:
         # The last token must be computed to produce logits, so it is never served from the cache.
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent = root_hash(seq.cache_salt)
         for i in range(max_blocks):
             parent = chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             block_id = self._cached.get(parent)
@@ -91,8 +119,8 @@ class KVCacheManager:
             seq.num_computed_tokens = num_computed
             seq.num_cached_tokens = num_computed
             self._seq_hashes[seq.request_id] = [self.blocks[b].block_hash for b in cached_blocks]  # type: ignore[misc]
-        for _ in range(max(needed, 0)):
-            seq.block_ids.append(self._pop_free())
+        if needed > 0:
+            seq.block_ids.extend(self._pop_free_run(needed, after=seq.block_ids[-1] if seq.block_ids else None))
         return True
 
     def record_prefix_lookup(self, *, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -104,11 +132,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
+        # A sequence that stopped inside a verified run has fewer tokens than computed slots.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if len(hashes) >= num_full:
             return
         tokens = seq.token_ids
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root_hash(seq.cache_salt)
         for i in range(len(hashes), num_full):
             parent = chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             hashes.append(parent)
@@ -142,8 +171,26 @@ class KVCacheManager:
             del self._free[block_id]
         block.ref_count += 1
 
+    def _pop_free_run(self, count: int, *, after: int | None) -> list[int]:
+        """`count` free blocks, laid out so attention can read them as few runs of consecutive slots.
+
+        The block right after the sequence's last one is taken first when it is free and holds no
+        cached prefix (taking it evicts nothing). The rest are the least recently freed blocks, as
+        always, but sorted: a finished sequence frees its blocks tail first, so in LRU order they come
+        back descending, and one block per attention call would follow."""
+        taken: list[int] = []
+        nxt = None if after is None else after + 1
+        if nxt is not None and nxt < self.num_blocks and nxt in self._free and self.blocks[nxt].block_hash is None:
+            del self._free[nxt]
+            taken.append(self._reset(nxt))
+        rest = [self._pop_free() for _ in range(count - len(taken))]
+        return taken + sorted(rest)
+
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
+        return self._reset(block_id)
+
+    def _reset(self, block_id: int) -> int:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:

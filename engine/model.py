@@ -16,41 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.config import ModelConfig
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecodeGroup:
-    """Sequences with short query lengths (decode, speculative verify) batched into one padded call."""
-
-    query_index: torch.Tensor  # (B, Q) index into the packed tokens; padding points at token 0
-    query_valid: torch.Tensor  # (B, Q) bool
-    block_tables: torch.Tensor  # (B, M) block ids, padded with 0
-    # (B, 1, Q, M*block_size) additive: 0 where a query may attend, -inf elsewhere. Additive rather
-    # than bool, so attention does not convert it again in every layer.
-    attn_mask: torch.Tensor
-    # Every sequence has Q query tokens and the group is packed tokens 0..B*Q-1 in order (pure
-    # decode, or verifies with equal k): queries and outputs are then plain views, no gathers.
-    covers_all_in_order: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrefillSlice:
-    """One sequence with a long query (a prompt chunk), attended on its own."""
-
-    token_start: int
-    num_tokens: int
-    context_len: int  # cached + new tokens
-    block_table: torch.Tensor  # (M,)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # (N,)
     positions: torch.Tensor  # (N,)
-    slot_mapping: torch.Tensor  # (N,) flat cache slot each new token's K/V is written to
-    decode: DecodeGroup | None
-    prefills: list[PrefillSlice]
+    attn: StepAttention  # where each sequence's keys lie in the pool, and the backend that reads them
     logits_index: torch.Tensor  # (S,) packed rows whose logits are wanted
 
 
@@ -96,15 +70,6 @@ class Linear(nn.Linear):
         if not keep_plain:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return True
-
-
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache (num_blocks, block_size, Hkv, D), table (..., M) -> (..., M, block_size, Hkv, D).
-
-    index_select on a 2-D view copies whole blocks as rows; plain advanced indexing on the 4-D
-    tensor is an order of magnitude slower on CPU."""
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_table.reshape(-1))
-    return rows.view(*block_table.shape, *cache.shape[1:])
 
 
 class RMSNorm(nn.Module):
@@ -170,48 +135,8 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x: (N, C); k_cache/v_cache: (num_blocks, block_size, Hkv, D)
         q, k, v = self.project(x, rope)
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
-
-        out = torch.empty_like(q)  # (N, H, D)
-        if batch.decode is not None:
-            group = batch.decode
-            b, q_len = group.query_index.shape
-            keys = gather_blocks(k_cache, group.block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
-            values = gather_blocks(v_cache, group.block_tables).view(b, -1, self.num_kv_heads, self.head_dim)
-            # keys/values: (B, L, Hkv, D) with L = M * block_size
-            dense = group.covers_all_in_order
-            # (B, Q, H, D)
-            queries = q[: b * q_len].view(b, q_len, self.num_heads, self.head_dim) if dense else q[group.query_index]
-            attended = F.scaled_dot_product_attention(
-                queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=group.attn_mask, enable_gqa=True,
-            ).transpose(1, 2)  # (B, Q, H, D)
-            if dense:
-                if not batch.prefills:  # the group is the whole step
-                    return self.o_proj(attended.reshape(x.shape[0], self.q_size))
-                out[: b * q_len] = attended.reshape(b * q_len, self.num_heads, self.head_dim)
-            else:
-                out[group.query_index[group.query_valid]] = attended[group.query_valid]
-        for piece in batch.prefills:
-            s, t = piece.token_start, piece.num_tokens
-            qs = q[s : s + t].transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
-            if piece.context_len == t:
-                # Nothing cached: attend to the fresh keys directly, causal.
-                ks, vs = k[s : s + t], v[s : s + t]
-                mask = None
-            else:
-                ks = gather_blocks(k_cache, piece.block_table).flatten(0, 1)[: piece.context_len]  # (L, Hkv, D)
-                vs = gather_blocks(v_cache, piece.block_table).flatten(0, 1)[: piece.context_len]
-                offset = piece.context_len - t
-                rows = torch.arange(t, device=x.device).unsqueeze(1) + offset
-                mask = torch.arange(piece.context_len, device=x.device).unsqueeze(0) <= rows  # (T, L)
-            attended = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
-            )  # (1, H, T, D)
-            out[s : s + t] = attended[0].transpose(0, 1)
-        return self.o_proj(out.view(x.shape[0], self.q_size))
+        attended = attend(q, k, v, k_cache, v_cache, batch.attn)  # (N, H, D)
+        return self.o_proj(attended.reshape(x.shape[0], self.q_size))
 
     def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: (T, C), one sequence, no cache

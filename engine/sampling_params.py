@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from decodeservice.engine.errors import InvalidRequestError
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM accepts
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -36,6 +39,12 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", param="top_k")
+        # torch's generator takes a 64-bit seed and raises past it, which in the engine loop would kill
+        # the loop for every request (found by tests/reliability/test_fuzz.py).
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}",
+                                      param="seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -43,7 +52,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM (_SAMPLING_EPS): a temperature this small is greedy in effect, and dividing logits by
+        # a subnormal one overflows to inf, whose softmax is NaN and killed the engine loop (found by
+        # tests/reliability/test_fuzz.py).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _finite(value: object) -> bool:

@@ -26,6 +26,8 @@ class Sequence:
     priority: int = 0  # lower runs first; ties are first come, first served
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = 0
+    # Enters the root of the prefix-cache hash chain: only requests with the same salt share blocks.
+    cache_salt: str | None = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -2,8 +2,8 @@
 
 POST /v1/completions and /v1/chat/completions go through
 
-    ErrorBoundary > DrainGate > JsonBody (413/400) > OutputLength > [TenantRateLimit] > Admission
-    > BatchingWindow > Forwarder
+    ErrorBoundary > DrainGate > JsonBody (413/400) > OutputLength > [TenantRateLimit]
+    > [PrefixCacheIsolation] > Admission > BatchingWindow > Forwarder
 
 Cheap refusals come first, so nothing is queued or counted that would be refused anyway. Every other
 path except the proxy's own /health, /ready and /metrics is passed through to the upstream untouched.
@@ -31,6 +31,7 @@ from decodeservice.proxy.errors import Overloaded
 from decodeservice.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from decodeservice.proxy.output_length import OutputLength
 from decodeservice.proxy.policy import Policy
+from decodeservice.proxy.prefix_isolation import PrefixCacheIsolation
 from decodeservice.proxy.request_body import JsonBody
 from decodeservice.proxy.tenant_rate import TenantRateLimit
 from decodeservice.proxy.tokens import LocalTokenCounter, TokenCounter, UpstreamTokenCounter
@@ -142,6 +143,8 @@ def create_app(
     chain = window
     admission = Admission(chain, policy=policy, metrics=metrics)
     chain = admission
+    if policy.admission.isolate_prefix_cache:
+        chain = PrefixCacheIsolation(chain)
     if policy.admission.tenant_tokens_per_minute is not None:
         chain = TenantRateLimit(chain, tokens_per_minute=policy.admission.tenant_tokens_per_minute, counter=counter)
     chain = OutputLength(chain, policy=policy.output_length, counter=counter, metrics=metrics)

@@ -24,6 +24,7 @@ admission:
   defaultClass: interactive    # interactive | batch
   maxInflight: 64
   tenantTokensPerMinute: null  # optional int
+  isolatePrefixCache: false    # true: the engine's prefix cache is salted per x-tenant
 classes:
   interactive: {batchWindowMs: 0, maxBatch: 1, maxQueue: 64}
   batch: {batchWindowMs: 20, maxBatch: 16, maxQueue: 256}
@@ -99,6 +100,9 @@ class AdmissionPolicy(_Model):
     max_inflight: int = Field(default=64, ge=1, description="Concurrent requests forwarded to the upstream.")
     tenant_tokens_per_minute: int | None = Field(
         default=None, ge=1, description="Per-tenant (x-tenant) token bucket rate; null disables it."
+    )
+    isolate_prefix_cache: bool = Field(
+        default=False, description="Set the engine's cache_salt from x-tenant, so tenants never share cached prefixes."
     )
 
 

@@ -47,7 +47,14 @@ _PARSE_ERRORS = (ValueError, KeyError, IndexError, struct.error, OverflowError, 
 def read_gguf_tokenizer(path: Path) -> Tokenizer:
     """Only the tokenizer of a GGUF file (no weights are dequantized)."""
     _, metadata = _open(path)
-    return Tokenizer.from_gguf_metadata({k: v for k, v in metadata.items() if k.startswith("tokenizer.")})
+    return _tokenizer(metadata, path)
+
+
+def _tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_gguf_metadata({k: v for k, v in metadata.items() if k.startswith("tokenizer.")})
+    except _PARSE_ERRORS as exc:  # e.g. a corrupted key name: found by tests/reliability/test_fuzz.py
+        raise UnsupportedModelError(f"{path}: incomplete or corrupt tokenizer metadata: {exc!r}") from exc
 
 
 def _open(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
@@ -72,7 +79,7 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> LoadedModel:
         # Scaled RoPE (linear, yarn, Llama-3.1 frequency factors) is not what the model code implements.
         raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling}) is not supported")
 
-    tokenizer = Tokenizer.from_gguf_metadata({k: v for k, v in metadata.items() if k.startswith("tokenizer.")})
+    tokenizer = _tokenizer(metadata, path)
     config = _config(metadata, tensors, tokenizer, path=path)
 
     weights: dict[str, torch.Tensor] = {}

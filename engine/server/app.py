@@ -112,12 +112,14 @@ class Generation:
     """One accepted request: validated, tokenized, ready to run."""
 
     def __init__(self, state: ServerState, aengine: AsyncEngine, *, prompt_ids: list[int],
-                 params: SamplingParams, priority: int, meta: fmt.ResponseMeta) -> None:
+                 params: SamplingParams, priority: int, meta: fmt.ResponseMeta,
+                 cache_salt: str | None = None) -> None:
         self.state = state
         self.aengine = aengine
         self.prompt_ids = prompt_ids
         self.params = params
         self.priority = priority
+        self.cache_salt = cache_salt
         self.meta = meta
 
     async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
@@ -127,7 +129,7 @@ class Generation:
             try:
                 # aclosing: leaving early must close the engine's stream, which aborts the request.
                 async with aclosing(_stream(aengine, self.prompt_ids, self.params, request_id=self.meta.id,
-                                            priority=self.priority)) as stream:
+                                            priority=self.priority, cache_salt=self.cache_salt)) as stream:
                     async for out in stream:
                         tracker.observe(out)
                         yield out
@@ -145,10 +147,10 @@ class Generation:
 
 
 def _stream(aengine: AsyncEngine, prompt: str | list[int], params: SamplingParams, *, request_id: str,
-            priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+            priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
     # AsyncEngine.generate is an async generator; typed as one so it can be aclose()d.
     return cast(AsyncGenerator[RequestOutput, None],
-                aengine.generate(prompt, params, request_id=request_id, priority=priority))
+                aengine.generate(prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt))
 
 
 def _encode(aengine: AsyncEngine, prompt: str | list[int], *, chat: bool) -> list[int]:
@@ -200,7 +202,8 @@ def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     meta = fmt.ResponseMeta.new(request_id=f"{prefix}-{uuid.uuid4().hex}", model=state.settings.served_model_name,
                                 kind=kind)
-    return Generation(state, aengine, prompt_ids=prompt_ids, params=params, priority=req.priority, meta=meta)
+    return Generation(state, aengine, prompt_ids=prompt_ids, params=params, priority=req.priority, meta=meta,
+                      cache_salt=req.cache_salt)
 
 
 async def _respond(request: Request, gen: Generation, *, stream: bool, include_usage: bool,

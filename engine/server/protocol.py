@@ -15,6 +15,7 @@ from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.serving.errors import BadRequest
 
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
 
 
 def unsupported(param: str, detail: str) -> BadRequest:
@@ -59,6 +60,8 @@ class _SamplingRequest(BaseModel):
     user: str | None = None  # accepted, used for nothing
     ignore_eos: bool = False  # vLLM extension; benchmarks use it to fix output lengths
     priority: int = 0  # vLLM extension; lower runs first
+    # vLLM extension: only requests with the same salt share cached prefixes (per-tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop")
     @classmethod

@@ -7,6 +7,10 @@ import math
 import torch
 
 from decodeservice.engine import SamplingParams
+from decodeservice.engine.attention import slot_runs
+from decodeservice.engine.runner import ModelRunner
+from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
+from decodeservice.engine.sequence import Sequence
 from tests.conftest import ModelBundle
 
 PROMPTS = [
@@ -62,3 +66,62 @@ def test_batched_equals_alone(tiny: ModelBundle) -> None:
     for prompt, out in zip(PROMPTS, together, strict=True):
         alone = tiny.engine(max_model_len=256, num_gpu_blocks_override=64).generate([prompt], params)[0]
         assert alone.token_ids == out.token_ids
+
+
+def test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(tiny: ModelBundle) -> None:
+    # Straight through the runner, with block tables in shuffled pool order (each table is several
+    # runs): a prompt with nothing cached, a chunk over that cached prefix, then in one step two
+    # verifies with different draft counts beside a plain decode.
+    runner = ModelRunner(tiny.model, num_blocks=64, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    pool = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [list(range(100, 131)), list(range(500, 519)), list(range(900, 911))]
+    drafts = [[7, 8, 9], [], [11, 12, 13, 14, 15]]
+    seqs = []
+    for i, (prompt, draft) in enumerate(zip(prompts, drafts, strict=True)):
+        seq = Sequence(request_id=f"s{i}", prompt_token_ids=prompt, params=SamplingParams())
+        needed = -(-(len(prompt) + len(draft) + 1) // 4)
+        seq.block_ids, pool = pool[:needed], pool[needed:]
+        seqs.append(seq)
+    assert any(len(slot_runs(s.block_ids, num_tokens=len(s.block_ids) * 4, block_size=4)) > 1 for s in seqs)
+
+    def run(items: list[ScheduledSequence]) -> list[torch.Tensor | None]:
+        rows = runner.execute(SchedulerPlan(scheduled=items)).rows
+        for item in items:
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
+        return rows
+
+    run([ScheduledSequence(seq=s, num_new_tokens=9, num_spec_tokens=0) for s in seqs])
+    # The middle one completes its prompt: its chunk's last row is checked against the reference.
+    rest = [len(s.prompt_token_ids) - 9 - (0 if i == 1 else 1) for i, s in enumerate(seqs)]
+    chunk_rows = run([ScheduledSequence(seq=s, num_new_tokens=n, num_spec_tokens=0) for s, n in zip(seqs, rest, strict=True)])
+    checks = [(prompts[1], len(prompts[1]) - 1, chunk_rows[1])]
+    seqs[1].output_token_ids.append(42)
+    for seq, draft in zip(seqs, drafts, strict=True):
+        seq.spec_token_ids = list(draft)
+    verify_rows = run([ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
+                       for s, d in zip(seqs, drafts, strict=True)])
+    for seq, draft, rows in zip(seqs, drafts, verify_rows, strict=True):
+        checks.append((seq.token_ids + draft, seq.num_tokens - 1, rows))
+    for tokens, first, rows in checks:
+        assert rows is not None
+        reference = dense_logprobs(tiny, tokens)[first : first + rows.shape[0]]
+        assert (torch.log_softmax(rows, dim=-1) - reference).abs().max() < 1e-4
+
+
+def test_bundled_shared_prefix_follow_up_hits_and_matches(bundled: ModelBundle) -> None:
+    # A long document asked about once with a one-token answer, then again with a new question. The
+    # first request's last prompt chunk must reach the prefix cache although it finished at once, and
+    # the greedy answer must equal the one computed without any cache.
+    document = "The committee reviewed the budget, the schedule and the staffing plan in detail. " * 40
+    first, follow_up = document + "Is the plan approved?", document + "Who chairs the committee?"
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = bundled.engine(max_model_len=1024, num_gpu_blocks_override=160)
+    engine.generate(first, SamplingParams(max_tokens=1, temperature=0.0))
+    hit = engine.generate(follow_up, greedy)[0]
+    shared = len(bundled.tokenizer.encode(document))
+    assert shared > 512, "the document should span more than one prefill chunk"
+    assert hit.metrics.num_cached_tokens >= 16 * (shared // 16 - 1)
+    cold = bundled.engine(max_model_len=1024, num_gpu_blocks_override=160,
+                          enable_prefix_caching=False).generate(follow_up, greedy)[0]
+    assert cold.metrics.num_cached_tokens == 0
+    assert hit.token_ids == cold.token_ids

@@ -1,0 +1,47 @@
+"""The portable backend: copy each sequence's blocks out of the pool, then one SDPA per sequence.
+
+It runs on any device and is what non-CPU devices use until a paged kernel sits behind the same
+interface (FlashInfer's BatchDecode/BatchPrefillWithPagedKVCacheWrapper take the same block tables
+and context lengths this metadata carries). The causal mask is `causal_lower_right`, which CUDA's
+fused kernels apply without materializing it. On CPU it is the reference the views backend is tested
+against, and what it replaced (it copies the whole cache of a sequence, every layer, every step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from decodeservice.engine.attention.metadata import AttentionMetadata
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache (num_blocks, block_size, Hkv, D), table (M,) -> (M * block_size, Hkv, D), a copy.
+
+    index_select on a 2-D view copies whole blocks as rows; plain advanced indexing on the 4-D
+    tensor is an order of magnitude slower on CPU."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_table)
+    return rows.view(-1, *cache.shape[2:])
+
+
+class GatherBackend:
+    name = "gather"
+
+    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        return meta
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)  # (N, H, D)
+        for span in meta.spans:
+            s, t, length = span.token_start, span.num_new, span.context_len
+            keys = gather_blocks(k_cache, span.block_table)[:length]  # (L, Hkv, D)
+            values = gather_blocks(v_cache, span.block_table)[:length]
+            mask = causal_lower_right(t, length) if t > 1 else None  # one query sees every key
+            attended = F.scaled_dot_product_attention(
+                q[s : s + t].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True,
+            )  # (1, H, Q, D)
+            out[s : s + t] = attended[0].transpose(0, 1)
+        return out

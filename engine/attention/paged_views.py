@@ -1,0 +1,123 @@
+"""CPU paged attention: SDPA over views of the pool, merged by log-sum-exp. Nothing is copied.
+
+Each sequence's keys are split into (a) its cached prefix, which every new token sees in full, and (b)
+its Q new tokens, which see each other causally. (a) lies in the pool as a few runs of consecutive
+slots (usually one), each a strided view; (b) is the step's own fresh K/V. Every piece goes through
+the CPU flash-attention kernel, which returns its log-sum-exp, and the pieces are merged exactly:
+out = sum_i exp(lse_i - m) * out_i / sum_i exp(lse_i - m), m = max_i lse_i.
+So no (T, L) mask is built and no block is gathered. Grouped-query attention needs no expanded K/V
+for (a): the G query heads sharing a K/V head are folded into the query length, as every one of them
+sees every prefix key. Measured against today's gather + masked SDPA in benchmarks/long_context.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
+from decodeservice.engine.attention.short_group import build_short_group
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# Beyond this many runs of slots a sequence's cached keys are gathered into one piece (see below).
+MAX_RUNS = 4
+
+
+def _prefix_piece(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, run: SlotRun
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (Q, H, D) against one run of pool slots, unmasked -> out (Q, H, D), lse (Q, H) fp32."""
+    t, h, d = q.shape
+    hkv = k_flat.shape[1]
+    g = h // hkv
+    # Head h uses K/V head h // g; its g query heads become g * Q rows of one K/V head: (1, Hkv, G*Q, D)
+    folded = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * t, d)
+    end = run.first_slot + run.length
+    keys = k_flat[run.first_slot : end].permute(1, 0, 2).unsqueeze(0)  # (1, Hkv, n, D), a view
+    values = v_flat[run.first_slot : end].permute(1, 0, 2).unsqueeze(0)
+    out, lse = _flash(folded, keys, values)  # (1, Hkv, G*Q, D), (1, Hkv, G*Q)
+    return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d), lse.view(hkv, g, t).permute(2, 0, 1).reshape(t, h)
+
+
+def _prefix_pieces(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, runs: list[SlotRun]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One piece per run; a table scattered over more than MAX_RUNS runs is gathered into one.
+
+    Each run costs a kernel call and a term of the merge, so on a fragmented table (a pool that has
+    been churned for long) a copy of the keys is cheaper than many tiny calls. The allocator keeps
+    tables in few runs, so this is the exception."""
+    if len(runs) <= MAX_RUNS:
+        return [_prefix_piece(q, k_flat, v_flat, run) for run in runs]
+    slots = torch.cat([torch.arange(r.first_slot, r.first_slot + r.length, device=k_flat.device) for r in runs])
+    whole = SlotRun(first_slot=0, length=slots.shape[0])
+    return [_prefix_piece(q, k_flat.index_select(0, slots), v_flat.index_select(0, slots), whole)]
+
+
+def _fresh_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q new tokens among themselves, causal: q (Q, H, D), k/v (Q, Hkv, D) -> out (Q, H, D), lse (Q, H)."""
+    g = q.shape[1] // k.shape[1]
+    keys = k.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)  # (1, H, Q, D); Q is small here
+    values = v.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+    out, lse = _flash(q.transpose(0, 1).unsqueeze(0), keys, values, is_causal=True)  # (1, H, Q, D), (1, H, Q)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Exact softmax over the union of the pieces' keys, from each piece's output and log-sum-exp."""
+    lses = torch.stack([lse.float() for _, lse in pieces])  # (P, Q, H)
+    weights = torch.softmax(lses, dim=0).unsqueeze(-1)  # (P, Q, H, 1) = exp(lse_i - logsumexp_j lse_j)
+    outs = torch.stack([out.float() for out, _ in pieces])  # (P, Q, H, D)
+    return (outs * weights).sum(0).to(dtype)
+
+
+def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                span: SequenceSpan) -> torch.Tensor:
+    """One sequence's new tokens: q (Q, H, D), fresh k/v (Q, Hkv, D) -> (Q, H, D)."""
+    if span.num_new == 1:
+        # A single query sees every key, its own included (already written): the pool alone will do.
+        pieces = _prefix_pieces(q, k_flat, v_flat, list(span.runs))
+        return pieces[0][0] if len(pieces) == 1 else _merge(pieces, q.dtype)
+    if span.num_cached == 0:
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, enable_gqa=True)  # (1, H, Q, D)
+        return attended[0].transpose(0, 1)
+    pieces = _prefix_pieces(q, k_flat, v_flat, trim_runs(span.runs, span.num_cached))
+    pieces.append(_fresh_piece(q, k, v))
+    return _merge(pieces, q.dtype)
+
+
+class PagedViewsBackend:
+    """The CPU backend. Sequences are read in place one by one, except that short ones share one
+    padded call (short_group.py: the copy is cheaper there than a call per sequence)."""
+
+    name = "paged_views"
+
+    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        group = build_short_group(meta.spans, block_size=meta.block_size, device=meta.slot_mapping.device,
+                                  dtype=dtype)
+        return dataclasses.replace(meta, short_group=group)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # (num_slots, Hkv, D)
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        if len(meta.spans) == 1:
+            return attend_span(q, k, v, k_flat, v_flat, meta.spans[0])
+        group = meta.short_group
+        out = torch.empty_like(q)  # (N, H, D)
+        if group is not None:
+            attended = group.attend(q, k_cache, v_cache)  # (B, Q, H, D)
+            if group.covers_all_in_order:
+                if len(group.span_indices) == len(meta.spans):  # the group is the whole step
+                    return attended.reshape(q.shape)
+                out[: attended.shape[0] * attended.shape[1]] = attended.flatten(0, 1)
+            else:
+                out[group.query_index[group.query_valid]] = attended[group.query_valid]
+        for i, span in enumerate(meta.spans):
+            if group is not None and i in group.span_indices:
+                continue
+            s, e = span.token_start, span.token_start + span.num_new
+            out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span)
+        return out

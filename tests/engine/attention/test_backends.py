@@ -1,0 +1,118 @@
+"""Both attention backends equal dense masked attention, over scattered and contiguous pool blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodeservice.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    SequenceSpan,
+    SlotRun,
+    StepAttention,
+    attend,
+    backend_for,
+    slot_runs,
+)
+from decodeservice.engine.attention.gather import GatherBackend
+from decodeservice.engine.attention.metadata import trim_runs
+from decodeservice.engine.attention.paged_views import MAX_RUNS, PagedViewsBackend
+
+H, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 200
+
+# (new tokens Q, context L, contiguous blocks?): decode, a prompt chunk over a cached prefix,
+# verifies with unequal drafts, a prompt with nothing cached, a decode over one run, and a verify and
+# a decode longer than the CPU backend batches with the others (short_group.MAX_CONTEXT).
+SEQUENCES = [(1, 13, False), (9, 23, False), (3, 10, False), (6, 30, True), (7, 7, False), (1, 16, True),
+             (4, 21, False), (5, 290, False), (1, 260, False)]
+
+
+def test_slot_runs_split_where_blocks_jump() -> None:
+    assert slot_runs([7, 8, 9, 3, 4], num_tokens=18, block_size=4) == (
+        SlotRun(first_slot=28, length=12), SlotRun(first_slot=12, length=6))
+    assert slot_runs([5], num_tokens=1, block_size=4) == (SlotRun(first_slot=20, length=1),)
+    assert trim_runs(slot_runs([7, 8, 9, 3, 4], num_tokens=18, block_size=4), 13) == [
+        SlotRun(first_slot=28, length=12), SlotRun(first_slot=12, length=1)]
+
+
+def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0
+               ) -> tuple[StepAttention, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step over SEQUENCES with random K/V already in the pool, and the dense reference output."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.zeros(NUM_BLOCKS, BS, HKV, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    top = NUM_BLOCKS  # contiguous tables come from the top of the pool, scattered ones from the rest
+    free = torch.randperm(NUM_BLOCKS - 12, generator=gen).tolist()
+    spans, slots, qs, ks, vs, refs = [], [], [], [], [], []
+    start = 0
+    for num_new, length, contiguous in SEQUENCES:
+        n_blocks = -(-length // BS)
+        if contiguous:
+            top -= n_blocks
+            blocks = list(range(top, top + n_blocks))
+        else:
+            blocks, free = free[:n_blocks], free[n_blocks:]
+        keys = torch.randn(length, HKV, D, generator=gen).to(dtype)
+        values = torch.randn(length, HKV, D, generator=gen).to(dtype)
+        seq_slots = [blocks[p // BS] * BS + p % BS for p in range(length)]
+        cached = length - num_new
+        k_cache.view(-1, HKV, D)[seq_slots[:cached]] = keys[:cached]  # what earlier steps wrote
+        v_cache.view(-1, HKV, D)[seq_slots[:cached]] = values[:cached]
+        q = torch.randn(num_new, H, D, generator=gen).to(dtype)
+        visible = torch.arange(length).unsqueeze(0) <= (torch.arange(num_new) + cached).unsqueeze(1)  # (Q, L)
+        ref = F.scaled_dot_product_attention(
+            q.double().transpose(0, 1), keys.double().transpose(0, 1), values.double().transpose(0, 1),
+            attn_mask=visible, enable_gqa=True).transpose(0, 1)  # (Q, H, D)
+        spans.append(SequenceSpan(token_start=start, num_new=num_new, context_len=length,
+                                  runs=slot_runs(blocks, num_tokens=length, block_size=BS),
+                                  block_table=torch.tensor(blocks)))
+        slots.extend(seq_slots[cached:])
+        qs.append(q)
+        ks.append(keys[cached:])
+        vs.append(values[cached:])
+        refs.append(ref)
+        start += num_new
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), spans=tuple(spans), block_size=BS)
+    return (StepAttention(meta=meta, backend=backend), torch.cat(qs), torch.cat(ks), torch.cat(vs),
+            k_cache, v_cache, torch.cat(refs))
+
+
+@pytest.mark.parametrize("backend", [PagedViewsBackend(), GatherBackend()], ids=lambda b: b.name)
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)],
+                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "per_sequence"])
+def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.dtype, atol: float,
+                                        planned: bool) -> None:
+    # Planned, the CPU backend batches the short sequences into one padded call and reads the two
+    # long ones in place; unplanned, it reads every sequence in place.
+    step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
+    if planned:
+        step = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
+        if backend.name == "paged_views":
+            assert step.meta.short_group is not None and len(step.meta.short_group.span_indices) == 7
+    out = attend(q, k, v, k_cache, v_cache, step)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
+    runs = [len(s.runs) for s in step.meta.spans]
+    # Covered: one run, a few runs merged by log-sum-exp, and a table too scattered, gathered.
+    assert 1 in runs and any(1 < r <= MAX_RUNS for r in runs) and any(r > MAX_RUNS for r in runs)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path (gather backend, "
+                    "fused lower-right causal SDPA) is only exercised where one exists")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backend_for_cuda_equals_dense_reference(dtype: torch.dtype) -> None:
+    backend = backend_for(torch.device("cuda"))
+    step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
+    meta = step.meta
+    cuda_meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping.cuda(), block_size=meta.block_size,
+        spans=tuple(dataclasses.replace(s, block_table=s.block_table.cuda()) for s in meta.spans))
+    step = StepAttention(meta=backend.plan(cuda_meta, dtype=dtype), backend=backend)
+    out = attend(q.cuda(), k.cuda(), v.cuda(), k_cache.cuda(), v_cache.cuda(), step)
+    torch.testing.assert_close(out.double().cpu(), reference, atol=3e-2, rtol=0)
