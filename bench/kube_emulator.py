@@ -30,6 +30,8 @@ DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PDBS = "policy/v1/poddisruptionbudgets"
+PODS = "v1/pods"
+EVENTS = "v1/events"
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 
@@ -173,6 +175,10 @@ def declare_resources(server: KubernetesEmulator) -> None:
     server.resources[SERVICES] = ResourceInfo(kind="Service", namespaced=True, verbs=VERBS)
     server.resources[CONFIGMAPS] = ResourceInfo(kind="ConfigMap", namespaced=True, verbs=VERBS)
     server.resources[PDBS] = ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
+    # The autoscaler lists pods and posts Events. Nothing here runs a kubelet: tests create pods with the
+    # status (podIP, the Ready condition) a kubelet would have written.
+    server.resources[PODS] = ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
+    server.resources[EVENTS] = ResourceInfo(kind="Event", namespaced=True, verbs=VERBS)
     server.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)

@@ -22,6 +22,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--vllm-image", default=None, help="default image for engine.kind=vllm")
     parser.add_argument("--resync-seconds", type=float, default=60.0, help="drift repair interval (default 60)")
     parser.add_argument("--drain-seconds", type=int, default=10, help="pods' preStop drain (default 10)")
+    parser.add_argument("--autoscale-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="builtin autoscaler's tick when a DecodeService sets no intervalSeconds (default 5)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.set_defaults(func=run)
 
@@ -29,6 +31,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
+    from decodeservice.operator.autoscaler.controller import AutoscalingConfig
     from decodeservice.operator.handlers import OperatorConfig, build_registry
     from decodeservice.operator.manifests import BuildOptions
 
@@ -38,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_image:
         build_kwargs["vllm_image"] = args.vllm_image
     try:
-        config = OperatorConfig(build=BuildOptions(**build_kwargs), resync_seconds=args.resync_seconds)
+        config = OperatorConfig(build=BuildOptions(**build_kwargs), resync_seconds=args.resync_seconds,
+                                autoscaling=AutoscalingConfig(interval_seconds=args.autoscale_interval))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.liveness is not None and not args.liveness.startswith(("http://", "https://")):

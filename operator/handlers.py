@@ -13,12 +13,13 @@ from typing import Any
 
 import kopf
 
+from decodeservice.operator.autoscaler.controller import Autoscaling, AutoscalingConfig, settings_for
 from decodeservice.operator.errors import ApiError, ChildConflictError, InvalidSpecError
 from decodeservice.operator.kube import KINDS, KubeClient
 from decodeservice.operator.kube import login as kube_login
 from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas
 from decodeservice.operator.reconcile import apply_children
-from decodeservice.operator.spec import GROUP, PLURAL, VERSION, validate_spec
+from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, validate_spec
 from decodeservice.operator.status import derive_status, invalid_status
 
 ANNOTATION_PREFIX = "decode.dev"
@@ -31,6 +32,7 @@ class OperatorConfig:
     retry_base_seconds: float = 1.0
     retry_max_seconds: float = 60.0
     request_timeout_seconds: float = 30.0
+    autoscaling: AutoscalingConfig = AutoscalingConfig()
     # Given: use these credentials (tests, out-of-cluster runs). None: in-cluster service account, then kubeconfig.
     connection: kopf.ConnectionInfo | None = None
 
@@ -81,6 +83,7 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     session = _Session(config)
+    autoscaling = Autoscaling(config.autoscaling)
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -96,24 +99,39 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
         session.closed = True
+        await autoscaling.close()
         if session.client is not None:
             await session.client.close()
             session.client = None
 
     async def reconcile(body: kopf.Body, patch: kopf.Patch, retry: int, logger: kopf.Logger,
                         *, permanent_on_invalid: bool) -> None:
+        # Serialized with the autoscaler's writes: the replicas it reads below are the ones it applies.
+        async with autoscaling.lock(str(body.metadata.uid)):
+            await _reconcile(body, patch, retry, logger, permanent_on_invalid=permanent_on_invalid)
+
+    async def _reconcile(body: kopf.Body, patch: kopf.Patch, retry: int, logger: kopf.Logger,
+                         *, permanent_on_invalid: bool) -> None:
         name, namespace = str(body.metadata.name), str(body.metadata.namespace)
         generation = int(body.metadata.get("generation") or 0)
         previous = dict(body.get("status") or {})
         try:
             v = validate_spec(body.get("spec"))
-            children = build_children(name=name, namespace=namespace, v=v, options=config.build)
+            if v.spec.autoscaling.mode is AutoscalingMode.BUILTIN:
+                settings_for(v, default_interval=config.autoscaling.interval_seconds)  # knobs that clash
+            replicas = await autoscaling.replicas_for(session.get(), v, uid=str(body.metadata.uid), name=name,
+                                                      namespace=namespace)
+            children = build_children(name=name, namespace=namespace, v=v, options=config.build, replicas=replicas)
         except InvalidSpecError as exc:
             patch["status"] = invalid_status(name=name, generation=generation, reason=exc.reason,
                                              message=str(exc), previous=previous)
             if permanent_on_invalid:
                 raise kopf.PermanentError(f"{exc.reason}: {exc}") from exc
             return
+        except ApiError as exc:  # reading the live replicas (builtin mode): retry, never guess them
+            delay = config.backoff(retry)
+            logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
+            raise kopf.TemporaryError(str(exc), delay=delay) from exc
         kopf.adopt(children.all(), owner=body)
         try:
             applied = await apply_children(session.get(), children, owner_uid=str(body.metadata.uid),
@@ -134,8 +152,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         deployment, pool = applied.deployment, applied.inference_pool
 
         patch["status"] = derive_status(
-            name=name, namespace=namespace, generation=generation, desired_replicas=desired_replicas(v),
-            deployment=deployment, slo_percentile=v.policy.slo.percentile, previous=previous)
+            name=name, namespace=namespace, generation=generation,
+            desired_replicas=desired_replicas(v) if replicas is None else replicas,
+            deployment=deployment, slo_percentile=v.policy.slo.percentile, previous=previous,
+            slo=autoscaling.latest_slo(str(body.metadata.uid)))
         if pool.enabled:  # InferencePoolReady, only while spec.routing.inferencePool is on
             patch["status"]["conditions"].append(pool.condition(generation=generation, previous=previous))
 
@@ -151,6 +171,17 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         # The change handlers already reported an invalid spec; the timer only refreshes that status.
         # A timer has no retry counter: the next tick is its retry.
         await reconcile(body, patch, 0, logger, permanent_on_invalid=False)
+
+    def builtin_mode(spec: kopf.Spec, **_: Any) -> bool:
+        return bool((spec.get("autoscaling") or {}).get("mode") == AutoscalingMode.BUILTIN.value)
+
+    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, when=builtin_mode, cancellation_timeout=5.0)
+    async def autoscale(stopped: kopf.DaemonStopped, body: kopf.Body, uid: str, logger: kopf.Logger,
+                        **_: Any) -> None:
+        # A daemon, not a timer: each DecodeService has its own intervalSeconds. kopf stops it when the
+        # mode leaves builtin or the object goes away; `body` is a live view, so a spec change applies
+        # on the next tick.
+        await autoscaling.run(uid=uid, body=body, client=session.get, stopped=stopped, logger=logger)
 
     return registry
 

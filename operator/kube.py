@@ -26,6 +26,7 @@ import json
 import os
 import ssl
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,3 +205,22 @@ class KubeClient:
         except ApiError as exc:
             if not exc.not_found:
                 raise
+
+    # The autoscaler's calls (operator/autoscaler/controller.py).
+
+    async def list_pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Pods carrying every label of `selector`."""
+        query = urllib.parse.urlencode({"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())})
+        payload = await self._request("GET", f"/api/v1/namespaces/{namespace}/pods?{query}")
+        items = payload.get("items") or []
+        # Matched here as well: the selector is our contract whatever the server (or an emulator) did.
+        return [p for p in items if isinstance(p, dict)
+                and all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
+
+    async def patch_status(self, kind: Kind, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._request("PATCH", kind.path(namespace, name) + "/status", body=dict(body),
+                                   content_type="application/merge-patch+json")
+
+    async def post_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        """Create a core v1 Event."""
+        await self._request("POST", f"/api/v1/namespaces/{namespace}/events", body=dict(event))

@@ -34,6 +34,8 @@ POLICY_DIR = "/etc/decodeservice"
 MANAGED_BY = "decodeservice-operator"
 POLICY_HASH_ANNOTATION = "decode.dev/policy-hash"
 RUN_AS = 10001  # the image's non-root user (see Dockerfile)
+PROXY_SHUTDOWN_SECONDS = 5  # uvicorn's timeout_graceful_shutdown in proxy/serve.py
+ENGINE_DRAIN_SECONDS = 30  # `decodectl engine --drain-timeout` default (cli/engine_cmd.py)
 
 # The Pod Security Standards "restricted" profile, on every container.
 CONTAINER_SECURITY: dict[str, Any] = {
@@ -60,6 +62,7 @@ class BuildOptions:
     vllm_image: str = DEFAULT_VLLM_IMAGE
     image_pull_policy: str = "IfNotPresent"
     drain_seconds: int = 10  # preStop wait so endpoints drop the pod before the proxy stops accepting
+    proxy_drain_timeout_seconds: int = 30  # after SIGTERM, how long the proxy lets in-flight streams finish
 
     def __post_init__(self) -> None:
         if not self.image or not self.vllm_image:
@@ -68,6 +71,21 @@ class BuildOptions:
             raise ValueError(f"image_pull_policy must be Always, IfNotPresent or Never, not {self.image_pull_policy!r}")
         if not 0 <= self.drain_seconds <= 300:
             raise ValueError(f"drain_seconds must be within [0, 300], got {self.drain_seconds}")
+        if not 1 <= self.proxy_drain_timeout_seconds <= 3600:
+            raise ValueError(f"proxy_drain_timeout_seconds must be within [1, 3600], got "
+                             f"{self.proxy_drain_timeout_seconds}")
+
+    @property
+    def termination_grace_seconds(self) -> int:
+        """Long enough for a pod being scaled down to finish its streams before the kubelet kills it.
+
+        The proxy's preStop sleeps drain_seconds + 1, then SIGTERM starts its drain (up to
+        proxy_drain_timeout_seconds), then uvicorn closes what is left within PROXY_SHUTDOWN_SECONDS. The
+        builtin engine, behind it, drains for ENGINE_DRAIN_SECONDS after its own preStop.
+        """
+        proxy = self.drain_seconds + 1 + self.proxy_drain_timeout_seconds + PROXY_SHUTDOWN_SECONDS
+        engine = self.drain_seconds + ENGINE_DRAIN_SECONDS + PROXY_SHUTDOWN_SECONDS
+        return max(proxy, engine) + 2  # a margin for the kubelet's own signalling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +173,8 @@ def _proxy_container(opts: BuildOptions) -> dict[str, Any]:
         "name": "proxy", "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
         "command": ["decodectl"],
         "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}", "--host", "0.0.0.0",
-                 "--port", str(PROXY_PORT), "--policy", f"{POLICY_DIR}/policy.yaml"],
+                 "--port", str(PROXY_PORT), "--policy", f"{POLICY_DIR}/policy.yaml",
+                 "--drain-timeout", str(opts.proxy_drain_timeout_seconds)],
         "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
@@ -187,13 +206,14 @@ def _init_container(plan: ModelPlan, opts: BuildOptions) -> dict[str, Any] | Non
 
 
 def build_children(*, name: str, namespace: str, v: ValidatedSpec,
-                   options: BuildOptions | None = None) -> Children:
+                   options: BuildOptions | None = None, replicas: int | None = None) -> Children:
+    """`replicas` overrides `desired_replicas(v)`: in builtin mode the autoscaler's last decision."""
     opts = options or BuildOptions()
     labels = _labels(name, v)
     policy = policy_yaml(v)
     policy_hash = hashlib.sha256(policy.encode()).hexdigest()[:16]
     plan = plan_models(v)
-    replicas = desired_replicas(v)
+    replicas = desired_replicas(v) if replicas is None else replicas
     res = v.spec.resources
 
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{name}-policy", namespace, labels),
@@ -210,7 +230,7 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         "securityContext": POD_SECURITY,
         "automountServiceAccountToken": False,  # the pods never talk to the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": opts.drain_seconds + 30,
+        "terminationGracePeriodSeconds": opts.termination_grace_seconds,
         "containers": [_engine_container(v, opts, plan), _proxy_container(opts)],
         "volumes": volumes,
     }

@@ -120,6 +120,15 @@ class AutoscalingSpec(_Model):
     max_replicas: int = Field(1, ge=1, le=1000)
     target_inflight_per_replica: int = Field(16, ge=1)
     scale_down_delay_seconds: int = Field(300, ge=0)
+    # The builtin autoscaler's knobs. None: the operator's default (intervalSeconds) or the decision
+    # side's own default (the rest), so each default has one source: AutoscalerSettings.
+    interval_seconds: float | None = Field(None, ge=0.1, le=300)
+    stable_window_seconds: float | None = Field(None, gt=0, le=3600)
+    panic_window_seconds: float | None = Field(None, gt=0, le=3600)
+    scale_up_threshold: float | None = Field(None, gt=0, le=10)
+    scale_down_threshold: float | None = Field(None, gt=0, le=10)
+    kv_usage_threshold: float | None = Field(None, gt=0, le=1)
+    waiting_threshold: float | None = Field(None, gt=0)
 
 
 class PortRef(_Model):
@@ -183,6 +192,18 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(path=("autoscaling",), rule="self.minReplicas <= self.maxReplicas",
             message="minReplicas must be <= maxReplicas",
             check=lambda o: int(o.get("minReplicas", 1)) <= int(o.get("maxReplicas", 1))),
+    CelRule(path=("autoscaling",),
+            rule="!has(self.scaleDownThreshold) || !has(self.scaleUpThreshold) "
+                 "|| self.scaleDownThreshold < self.scaleUpThreshold",
+            message="scaleDownThreshold must be < scaleUpThreshold",
+            check=lambda o: ("scaleDownThreshold" not in o or "scaleUpThreshold" not in o
+                             or float(o["scaleDownThreshold"]) < float(o["scaleUpThreshold"]))),
+    CelRule(path=("autoscaling",),
+            rule="!has(self.panicWindowSeconds) || !has(self.stableWindowSeconds) "
+                 "|| self.panicWindowSeconds <= self.stableWindowSeconds",
+            message="panicWindowSeconds must be <= stableWindowSeconds",
+            check=lambda o: ("panicWindowSeconds" not in o or "stableWindowSeconds" not in o
+                             or float(o["panicWindowSeconds"]) <= float(o["stableWindowSeconds"]))),
     CelRule(path=(), rule="self.engine.kind != 'vllm' || self.engine.speculative.method != 'self_draft'",
             message="the vllm engine does not support self_draft speculation",
             check=lambda o: o["engine"]["kind"] != "vllm" or o["engine"]["speculative"]["method"] != "self_draft"),

@@ -62,9 +62,37 @@ def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[s
     return {}
 
 
+def slo_condition(slo: Mapping[str, Any], percentile: float) -> tuple[str, str, str]:
+    """SLOMet (status, reason, message) from status.slo; the reconcile and the autoscaler share it."""
+    attainment = slo.get("attainment")
+    if isinstance(attainment, int | float) and not isinstance(attainment, bool):
+        met = attainment * 100.0 >= percentile
+        return ("True" if met else "False", "ObjectivesMet" if met else "ObjectivesMissed",
+                f"{attainment:.1%} of requests within objectives in the worst class and objective "
+                f"(target {percentile:g}%)")
+    failed, scraped = int(slo.get("failedPods") or 0), int(slo.get("scrapedPods") or 0)
+    if failed and not scraped:
+        return ("Unknown", "MetricsUnavailable", f"no ready pod's /metrics could be read ({failed} failed)")
+    if scraped:
+        return ("Unknown", "NoMeasurements", "no requests measured in the window")
+    return ("Unknown", "NoMeasurements", "no SLO measurements reported yet")
+
+
+def with_condition(previous: Mapping[str, Any] | None, kind: str, value: tuple[str, str, str], *,
+                   generation: int, now: str | None = None) -> list[dict[str, Any]]:
+    """The previous conditions with `kind` set to `value` (its lastTransitionTime moves only on change)."""
+    old = [c for c in (previous or {}).get("conditions") or [] if isinstance(c, Mapping) and "type" in c]
+    updated = _conditions([(kind, *value)], generation=generation, previous=previous, now=now or now_iso())
+    result = [dict(c) for c in old if c["type"] != kind] + updated
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    return sorted(result, key=lambda c: order.get(str(c["type"]), len(order)))
+
+
 def derive_status(*, name: str, namespace: str, generation: int, desired_replicas: int,
                   deployment: Mapping[str, Any] | None, slo_percentile: float,
-                  previous: Mapping[str, Any] | None, now: str | None = None) -> dict[str, Any]:
+                  previous: Mapping[str, Any] | None, now: str | None = None,
+                  slo: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`slo`: the autoscaler's latest status.slo when it has one, fresher than `previous`'s copy."""
     dep_status: Mapping[str, Any] = (deployment or {}).get("status") or {}
     replicas = int(dep_status.get("replicas") or 0)
     ready = int(dep_status.get("readyReplicas") or 0)
@@ -96,14 +124,7 @@ def derive_status(*, name: str, namespace: str, generation: int, desired_replica
     else:
         progressing = ("False", "RolloutComplete", "every replica runs the current spec")
 
-    slo = dict((previous or {}).get("slo") or {})
-    attainment = slo.get("attainment")
-    if isinstance(attainment, int | float):
-        met = attainment * 100.0 >= slo_percentile
-        slo_c = ("True" if met else "False", "ObjectivesMet" if met else "ObjectivesMissed",
-                 f"{attainment:.1%} of requests within objectives (target p{slo_percentile:g})")
-    else:
-        slo_c = ("Unknown", "NoMeasurements", "no SLO measurements reported yet")
+    slo_c = slo_condition(slo if slo is not None else (previous or {}).get("slo") or {}, slo_percentile)
 
     values = [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded), ("SLOMet", *slo_c)]
     status: dict[str, Any] = {
@@ -111,6 +132,6 @@ def derive_status(*, name: str, namespace: str, generation: int, desired_replica
         "selector": _selector(name), "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{PROXY_PORT}",
         "conditions": _conditions(values, generation=generation, previous=previous, now=now or now_iso()),
     }
-    if slo:
-        status["slo"] = slo
+    # status.slo itself is left out: the autoscaler writes it between reconciles, and this merge patch,
+    # made from an older copy of the object, must not put stale figures back.
     return status

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from decodeservice.proxy.admission import Admission
 from decodeservice.proxy.batching_window import BatchingWindow
 from decodeservice.proxy.context import SCOPE_KEY, RequestContext, response_status, set_response_status
+from decodeservice.proxy.engine_metrics import EngineMetricsRelay
 from decodeservice.proxy.errors import Overloaded
 from decodeservice.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from decodeservice.proxy.output_length import OutputLength
@@ -166,8 +167,11 @@ def create_app(
                                       headers={"Retry-After": "1"}).to_response()
         return JSONResponse({"status": "ready"})
 
+    engine_metrics = EngineMetricsRelay(client, upstream_url)
+
     async def metrics_endpoint(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # The engine's vllm:* series follow the proxy's own, for the operator's autoscaler (METRICS.md).
+        return Response(metrics.render() + await engine_metrics.render(), media_type=CONTENT_TYPE)
 
     async def method_not_allowed(request: Request) -> Response:
         return OpenAIError(f"{request.method} is not allowed here; use POST", status_code=405,
@@ -197,4 +201,5 @@ def create_app(
     app.state.admission = admission
     app.state.window = window
     app.state.client = client
+    app.state.engine_metrics = engine_metrics
     return app

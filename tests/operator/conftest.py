@@ -14,6 +14,7 @@ import pytest
 from kmock import Server, resource
 
 from decodeservice.bench.kube_emulator import ApiServer, declare_resources
+from decodeservice.operator.autoscaler.controller import AutoscalingConfig
 from decodeservice.operator.handlers import OperatorConfig, build_registry
 
 
@@ -27,7 +28,7 @@ def fast_settings() -> kopf.OperatorSettings:
     settings.networking.request_timeout = 5
     settings.queueing.idle_timeout = 1.0
     settings.queueing.exit_timeout = 1.0
-    settings.posting.enabled = False  # no v1/events in the emulator, and nobody reads them here
+    settings.posting.enabled = False  # kopf's own log-line Events: nobody reads them here
     return settings
 
 
@@ -80,13 +81,13 @@ async def cluster() -> AsyncIterator[Cluster]:
         yield Cluster(server=server, url=str(http.url).rstrip("/"))
 
 
-async def run_operator(cluster: Cluster, *, resync_seconds: float = 0.3,
-                       namespaces: Sequence[str] = ()) -> AsyncIterator[None]:
+async def run_operator(cluster: Cluster, *, resync_seconds: float = 0.3, namespaces: Sequence[str] = (),
+                       autoscaling: AutoscalingConfig | None = None) -> AsyncIterator[None]:
     """Run kopf in its own thread and loop: at exit kopf cancels every other task of its loop.
 
     With `namespaces` it watches only those (names or globs), as `decodectl operator -n NS` does."""
     config = OperatorConfig(resync_seconds=resync_seconds, retry_base_seconds=0.05, retry_max_seconds=0.2,
-                            request_timeout_seconds=5,
+                            request_timeout_seconds=5, autoscaling=autoscaling or AutoscalingConfig(),
                             connection=kopf.ConnectionInfo(server=cluster.url, insecure=True))
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []

@@ -51,6 +51,7 @@ def test_default_values_run_cluster_wide_with_the_default_image(chart: helm_pyth
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}"
     assert "--all-namespaces" in container["args"]
+    assert container["args"][container["args"].index("--autoscale-interval") + 1] == "5"
     assert {d["kind"] for d in docs} >= {"ClusterRole", "ClusterRoleBinding"}
     assert not any(d["kind"] == "ServiceMonitor" for d in docs)
 
@@ -105,3 +106,15 @@ def test_every_values_key_is_documented() -> None:
 def test_chart_crd_is_not_templated(chart: helm_python.Chart) -> None:
     assert [c["name"] for c in chart.crds] == ["crds/decodeservice.yaml"]
     assert not any("CustomResourceDefinition" in t["data"] for t in chart.templates)
+
+
+@pytest.mark.parametrize(("values", "kind"), [(None, "ClusterRole"), (CUSTOM, "Role")], ids=["default", "custom"])
+def test_rbac_lets_the_autoscaler_read_pods_and_post_events(chart: helm_python.Chart, values: dict[str, Any] | None,
+                                                          kind: str) -> None:
+    role = next(d for d in render(chart, values) if d["kind"] == kind and not d["metadata"]["name"].endswith(
+        "-discovery"))
+    granted = {(group, res, verb) for r in role["rules"] for group in r["apiGroups"] for res in r["resources"]
+               for verb in r["verbs"]}
+    assert {("", "pods", v) for v in ("get", "list", "watch")} <= granted
+    assert {("", "events", "create"), ("", "events", "patch"), ("apps", "deployments", "patch")} <= granted
+    assert not {v for g, res, v in granted if res == "pods"} - {"get", "list", "watch"}  # read-only on pods

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from decodeservice.operator.errors import InvalidSpecError
-from decodeservice.operator.spec import CEL_RULES, validate_spec
+from decodeservice.operator.spec import CEL_RULES, AutoscalingSpec, validate_spec
 from decodeservice.proxy.policy import Policy
 from tests.operator.helpers import CHART, CRD_PATH, example_paths, load
 from tests.operator.schema import _at, apply_defaults, cel_eval, cel_rules, open_api_schema, validate
@@ -42,6 +42,12 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         speculative={"method": "ngram", "draftModel": "bundled://smollm2-135m"}), "only used when method is draft"),
     ("cel-min-over-max", lambda s: s.update(autoscaling={"mode": "builtin", "minReplicas": 5, "maxReplicas": 2}),
      "minReplicas must be <= maxReplicas"),
+    ("cel-thresholds-crossed", lambda s: s.update(autoscaling={"scaleUpThreshold": 0.5, "scaleDownThreshold": 0.6}),
+     "scaleDownThreshold must be < scaleUpThreshold"),
+    ("cel-panic-over-stable", lambda s: s.update(autoscaling={"stableWindowSeconds": 5, "panicWindowSeconds": 6}),
+     "panicWindowSeconds must be <= stableWindowSeconds"),
+    ("kv-threshold-over-one", lambda s: s.update(autoscaling={"kvUsageThreshold": 1.5}), "greater than the maximum"),
+    ("interval-too-short", lambda s: s.update(autoscaling={"intervalSeconds": 0.01}), "less than the minimum"),
     ("cel-vllm-self-draft", lambda s: (s["model"].update(uri="hf://org/model"), s["resources"].update(gpus=1),
                                        s["engine"].update(kind="vllm", kvCacheGiB=None,
                                                           speculative={"method": "self_draft"})),
@@ -128,6 +134,11 @@ def test_crd_policies_schema_matches_the_proxy_policy_model() -> None:
     assert _schema_fields(policies) == _model_fields(Policy)
 
 
+def test_crd_autoscaling_schema_matches_the_spec_model() -> None:
+    autoscaling = open_api_schema()["properties"]["spec"]["properties"]["autoscaling"]
+    assert _schema_fields(autoscaling) == _model_fields(AutoscalingSpec)
+
+
 def test_crd_defaults_match_the_policy_defaults() -> None:
     policies = open_api_schema()["properties"]["spec"]["properties"]["policies"]
     assert _clean(apply_defaults(policies, {})) == _clean(Policy().to_dict())
@@ -145,7 +156,12 @@ def test_crd_has_descriptions_everywhere_and_the_required_shape() -> None:
     assert spec["names"]["shortNames"] == ["dsvc"]
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1" and "status" in version["subresources"] and "scale" in version["subresources"]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "TTFT-p95", "SLO", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Ready", "Replicas", "Desired", "Current", "Signal", "TTFT-p95", "SLO", "Age"]
+    # HPA and KEDA (autoscaling.mode: external) drive spec.replicas through this subresource.
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
 
     def walk(schema: dict[str, Any], path: str) -> None:
         assert schema.get("description"), f"{path} has no description"

@@ -12,7 +12,14 @@ import pytest
 import yaml
 
 from decodeservice.operator.errors import InvalidSpecError
-from decodeservice.operator.manifests import POLICY_HASH_ANNOTATION, BuildOptions, Children, render
+from decodeservice.operator.manifests import (
+    ENGINE_DRAIN_SECONDS,
+    POLICY_HASH_ANNOTATION,
+    PROXY_SHUTDOWN_SECONDS,
+    BuildOptions,
+    Children,
+    render,
+)
 from tests.operator.helpers import example_paths, load
 from tests.operator.security import rbac_violations, restricted_violations
 
@@ -147,7 +154,7 @@ def test_build_is_pure_and_options_apply() -> None:
     a = render(body, options=BuildOptions(image="example.com/ds:1", drain_seconds=3))
     assert body == snapshot and a == render(body, options=BuildOptions(image="example.com/ds:1", drain_seconds=3))
     assert container(a, "engine")["image"] == "example.com/ds:1"
-    assert a.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 33
+    assert a.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 41  # 3 + 1 + 30 + 5 + 2
     with pytest.raises(ValueError, match="drain_seconds"):
         BuildOptions(drain_seconds=-1)
 
@@ -167,3 +174,24 @@ def test_build_is_pure_and_options_apply() -> None:
 def test_invalid_specs_are_rejected_with_the_field_named(body: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSpecError, match=message):
         render(body)
+
+
+@pytest.mark.parametrize("options", [BuildOptions(), BuildOptions(drain_seconds=0, proxy_drain_timeout_seconds=120)])
+def test_termination_grace_covers_the_proxy_and_engine_drains(options: BuildOptions) -> None:
+    # A pod removed by a scale-down must finish its streams: preStop, then the drain after SIGTERM, then
+    # uvicorn's graceful shutdown, all inside the grace period, or the kubelet cuts streams with SIGKILL.
+    children = render(minimal(), options=options)
+    pod = children.deployment["spec"]["template"]["spec"]
+    proxy, engine = container(children, "proxy"), container(children, "engine")
+    proxy_drain = int(flag(proxy["args"], "--drain-timeout") or 0)
+    assert proxy_drain == options.proxy_drain_timeout_seconds
+    proxy_needs = proxy["lifecycle"]["preStop"]["sleep"]["seconds"] + proxy_drain + PROXY_SHUTDOWN_SECONDS
+    engine_needs = engine["lifecycle"]["preStop"]["sleep"]["seconds"] + ENGINE_DRAIN_SECONDS + PROXY_SHUTDOWN_SECONDS
+    assert pod["terminationGracePeriodSeconds"] > max(proxy_needs, engine_needs)
+    with pytest.raises(ValueError, match="proxy_drain_timeout_seconds"):
+        BuildOptions(proxy_drain_timeout_seconds=0)
+
+
+def test_engine_drain_default_is_the_one_the_grace_period_assumes() -> None:
+    from decodeservice.engine.server.settings import ServerSettings
+    assert ServerSettings.__dataclass_fields__["drain_timeout_s"].default == ENGINE_DRAIN_SECONDS

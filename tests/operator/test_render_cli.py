@@ -41,3 +41,9 @@ def test_render_bad_input_exits_2_with_the_reason(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     bad.write_text("a: [unclosed")
     assert decodectl("render", "-f", str(bad)).returncode == 2
+
+
+def test_operator_rejects_a_bad_autoscale_interval_before_starting() -> None:
+    result = decodectl("operator", "--autoscale-interval", "0")
+    assert result.returncode == 2
+    assert "interval_seconds must be within [0.1, 300]" in result.stderr
