@@ -104,9 +104,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Activations and KV cache. auto: bfloat16 with quantized weights or on CUDA, else float32.
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = "cpu"
-    quantization: Literal["none", "int8"] = "none"
+    # Weights: none | int8 (per channel) | int4 (groups of 32) | auto, the source's own precision where
+    # the kernels support it (the bundled Q4_1 GGUF: int4, loaded as 4-bit). See engine/quant.
+    quantization: Literal["none", "int8", "int4", "auto"] = "auto"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
@@ -128,9 +131,15 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.quantization == "int8":
-            raise ConfigError("int8 weights are not available in this release; use quantization='none'")
-        if self.quantization != "none":
-            raise ConfigError("quantization must be 'none'")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError("dtype must be float32, float16 or bfloat16")
+        if self.quantization not in ("none", "int8", "int4", "auto"):
+            raise ConfigError(f"quantization must be none, int8, int4 or auto, not {self.quantization!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
+        if self.quantization in ("int8", "int4"):
+            if not self.device.startswith("cpu"):
+                # torch's CUDA int4 kernel wants another packing; on a GPU the engine runs bf16 weights.
+                raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; on {self.device} "
+                                  "use quantization 'none' or 'auto' (bf16 weights)")
+            if self.dtype not in ("auto", "bfloat16"):
+                raise ConfigError(f"quantization={self.quantization!r} needs bfloat16 activations (its kernels "
+                                  f"are slower than fp32 weights with {self.dtype}); use dtype auto or bfloat16")
