@@ -9,6 +9,7 @@ activations; with fp32 activations the two quantized kernels are slower than fp3
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from decodeservice.engine.quant.int4 import Int4Weight, unpack_nibbles
@@ -37,12 +38,15 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
-        codes = weight.codes().to(torch.int32)  # (N, K), 0..15: the pack op's input format
+        # The pack op wants N a multiple of 16: pad with zero rows (scale 0, zero 0), sliced off after.
+        pad = -self.out_features % 16
+        codes = F.pad(weight.codes().to(torch.int32), (0, 0, 0, pad))  # (N', K), 0..15: the op's input format
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.register_buffer("packed", packed, persistent=False)
-        # (K/G, N, 2): scale and the kernel's zero, which applies to (code - 8).
-        zero = weight.offset + 8 * weight.scale
-        self.register_buffer("scale_zeros", torch.stack([weight.scale.t(), zero.t()], dim=-1).to(dtype).contiguous(),
+        # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8).
+        scale = F.pad(weight.scale, (0, 0, 0, pad))
+        zero = F.pad(weight.offset + 8 * weight.scale, (0, 0, 0, pad))
+        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous(),
                              persistent=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed, and no hook dispatch per call
@@ -53,6 +57,8 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, self.group_size, self.scale_zeros)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -1,0 +1,169 @@
+"""engine/quant: int4 and int8 weights on torch's CPU kernels, checked against dense references.
+
+Tiny random weights check the kernels' conventions and the GGUF 4-bit path bit for bit; the bundled
+model checks that quantized greedy decoding stays close to fp32 and that speculation stays lossless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from decodeservice.engine import Engine, EngineConfig, SamplingParams
+from decodeservice.engine.errors import ConfigError
+from decodeservice.engine.loader import load_model
+from decodeservice.engine.quant import (
+    Int4Embedding,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    quantize_int4,
+    quantize_int8,
+)
+from decodeservice.engine.quant.int4 import pack_nibbles, unpack_nibbles
+from tests.conftest import ModelBundle
+from tests.engine.test_loader import write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+PROMPTS = [
+    "Tell me about the moon.",
+    "Write a short poem about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me three tips for a job interview.",
+]
+
+
+def weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+# -- kernels and formats on tiny random weights ----------------------------------------------------
+
+
+def test_nibbles_round_trip() -> None:
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_linear_matches_its_dequantized_weight(group_size: int) -> None:
+    w = weight(96, 128)
+    q = quantize_int4(w, group_size=group_size)
+    # Quantization itself: every weight within half a step of its group.
+    step = q.scale.repeat_interleave(group_size, dim=1)
+    assert bool(((q.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = Int4Linear(q)(x)
+    assert got.shape == (5, 96) and got.dtype == torch.bfloat16
+    # The kernel reads bf16 scales and zeros: the reference uses the same rounded values, so what is
+    # left is bf16 accumulation/rounding of the output (a wrong zero convention is off by ~8 scales).
+    scale = q.scale.bfloat16().float()
+    zero = (q.offset + 8 * q.scale).bfloat16().float()
+    codes = q.codes().float().view(96, -1, group_size)
+    dense = ((codes - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(96, 128)
+    want = x.float() @ dense.t()
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    # One row and several rows through the same kernel give the same row (speculation relies on it).
+    torch.testing.assert_close(Int4Linear(q)(x[:1]), got[:1], rtol=0, atol=0)
+
+
+def test_int8_linear_matches_reference() -> None:
+    w = weight(80, 64, seed=3)
+    codes, scales = quantize_int8(w)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    assert bool(((codes.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-6).all())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = Int8Linear(w)(x)
+    want = x.float() @ (codes.float() * scales.bfloat16().float()[:, None]).t()
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_quantized_embeddings_dequantize_the_looked_up_rows() -> None:
+    w = weight(50, 64, seed=5)
+    ids = torch.tensor([3, 0, 49, 3])
+    q = quantize_int4(w)
+    assert torch.equal(Int4Embedding(q, dtype=torch.float32)(ids), q.dequantize()[ids])
+    head = Int8Linear(w, dtype=torch.float32)
+    embed = Int8Embedding(head.weight_int8, head.scales, dtype=torch.float32)
+    assert embed.codes is head.weight_int8  # a tied head shares its codes with the embedding
+    torch.testing.assert_close(embed(ids), head.weight_int8[ids].float() * head.scales[ids, None])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_q4_tensors_load_as_int4_exactly(tmp_path: Path, tied: bool) -> None:
+    """Q4_0/Q4_1 -> Int4Weight without fp32, equal bit for bit to the gguf library's dequantization
+    (q/k included: their rows are un-permuted for rotate-half RoPE as codes and scales)."""
+    qtypes = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q4_0, "ffn_gate": Q.Q4_1, "token_embd": Q.Q4_1}
+    path, _, used = write_tiny_gguf(tmp_path / "q4.gguf", tied=tied, qtypes=qtypes)
+    dense = load_model(path)
+    native = load_model(path, native_int4=True)
+    four_bit = {name for name, qtype in used.items() if qtype in (Q.Q4_0, Q.Q4_1)}
+    assert set(native.int4) == four_bit and not four_bit & set(native.weights)
+    for name in four_bit:
+        assert torch.equal(native.int4[name].dequantize(), dense.weights[name]), name
+    for name in set(dense.weights) - four_bit:
+        assert torch.equal(native.weights[name], dense.weights[name]), name
+
+
+# -- the quantized model on tiny random weights ------------------------------------------------------
+
+
+def tiny_pair(tmp_path: Path, fmt: str) -> tuple[Engine, Engine]:
+    """The same tiny GGUF as a dense fp32 engine and as a `fmt` engine. Every matrix is 4-bit in the
+    file, so the int4 engine runs exactly the file's weights and differs from fp32 only by its bf16
+    activations (a 4-bit requantization of random Gaussian weights would swamp that)."""
+    qtypes = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1,
+              "token_embd": Q.Q4_1}
+    path, _, _ = write_tiny_gguf(tmp_path / "t.gguf", tied=True, qtypes=qtypes)
+    dense = Engine.from_pretrained(str(path), quantization="none", kv_cache_gib=0.01)
+    quant = Engine.from_pretrained(str(path), quantization=fmt, kv_cache_gib=0.01)
+    return dense, quant
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "auto"])
+def test_tiny_quantized_model(tmp_path: Path, fmt: str) -> None:
+    dense, quant = tiny_pair(tmp_path, fmt)
+    want = "int4" if fmt == "auto" else fmt
+    assert quant.model.weight_format == want and quant.dtype == torch.bfloat16
+    assert dense.model.weight_format == "none" and dense.dtype == torch.float32
+    heads = [m for m in quant.model.modules() if isinstance(m, Int4Linear | Int8Linear)]
+    assert len(heads) == 2 * 2 + 2 * 2 + 1  # qkv, o, gate_up, down per layer, and the head
+    ids = torch.tensor(quant.tokenizer.encode(" the hell tell the"))
+    # Close to the dense model of the same file: logits within a fraction of their spread.
+    ref, got = dense.model.forward_dense(ids), quant.model.forward_dense(ids)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    err = float((got - ref).pow(2).mean().sqrt())
+    assert err < 0.1 * float(ref.std()), err
+    # The paged decode path (prefill, then one token a step) equals the reference forward of the
+    # quantized model itself, greedy token for token.
+    out = quant.generate([ids.tolist()], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    seq = ids.tolist()
+    for _ in range(12):
+        seq.append(int(quant.model.forward_dense(torch.tensor(seq))[-1].argmax()))
+    assert out.token_ids == seq[len(ids):]
+
+
+# -- start-up errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"quantization": "int3"}, "quantization must be none, int8, int4 or auto"),
+    ({"quantization": "int4", "device": "cuda"}, "runs on CPU only"),
+    ({"quantization": "int8", "device": "cuda:0"}, "runs on CPU only"),
+    ({"quantization": "int4", "dtype": "float32"}, "needs bfloat16 activations"),
+    ({"quantization": "int8", "dtype": "float16"}, "needs bfloat16 activations"),
+    ({"dtype": "float64"}, "dtype must be"),
+])
+def test_unsupported_precision_is_a_config_error(kwargs: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):  # at start-up, before any model is read
+        Engine.from_pretrained("no-such-model", **kwargs)
+
+
+def test_auto_runs_what_the_source_holds(tiny: ModelBundle) -> None:
+    # A dense source under auto stays dense (fp32 on CPU), so fp32 references stay fp32.
+    assert tiny.engine().dtype == torch.float32
+    assert EngineConfig().quantization == "auto" and EngineConfig().dtype == "auto"
