@@ -27,9 +27,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per batch (default 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="activations and KV cache (default auto: bfloat16 with int8/int4 weights or on CUDA, "
+                             "else float32)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8"], help="weight format")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="weight format (default auto: the model's own, int4 for a Q4_0/Q4_1 GGUF on CPU); "
+                             "int8 and int4 run on CPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
     spec = parser.add_argument_group("speculative decoding")
