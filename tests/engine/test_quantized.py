@@ -11,9 +11,10 @@ import gguf
 import pytest
 import torch
 
-from decodeservice.engine import Engine, EngineConfig, SamplingParams
+from decodeservice.engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from decodeservice.engine.engine import build_model
 from decodeservice.engine.errors import ConfigError
-from decodeservice.engine.loader import load_model
+from decodeservice.engine.loader import LoadedModel, load_model
 from decodeservice.engine.quant import (
     Int4Embedding,
     Int4Linear,
@@ -167,3 +168,84 @@ def test_auto_runs_what_the_source_holds(tiny: ModelBundle) -> None:
     # A dense source under auto stays dense (fp32 on CPU), so fp32 references stay fp32.
     assert tiny.engine().dtype == torch.float32
     assert EngineConfig().quantization == "auto" and EngineConfig().dtype == "auto"
+
+
+# -- the bundled model: close to fp32, and speculation stays lossless --------------------------------
+
+# Fixed answers to teacher-force: every position's greedy choice is compared under the same context,
+# so one early difference does not decide the other 63 positions.
+ANSWERS = [
+    "The Moon is Earth's only natural satellite. It orbits our planet at an average distance of about "
+    "384,400 kilometres and takes roughly 27 days to complete one orbit. Its surface is covered in craters, "
+    "mountains and wide dark plains called maria, formed by ancient volcanic eruptions. The Moon "
+    "has no atmosphere to speak of, so its temperature swings from very hot by day to very cold by night.",
+    "Golden leaves drift down in the cool autumn air,\nThey dance on the wind without worry or care.\n"
+    "Red, orange and amber, they carpet the ground,\nAnd crunch under footsteps with a soft, gentle sound.\n"
+    "The branches stand bare as the evenings grow long,\nWhile geese overhead sing their last autumn song.\n"
+    "The pumpkins are glowing on porches and sills,\nAnd mist settles softly on valleys and hills.\n"
+    "So gather your scarf and walk out in the light,\nBefore the cold winter arrives overnight.",
+    "A list is mutable, which means you can add, remove or change its elements after it is created. A tuple "
+    "is immutable: once it is created, its contents cannot change. Lists use square brackets and tuples use "
+    "parentheses. Tuples can be used as dictionary keys because they are hashable. "
+    "In general, use a list for a collection that changes and a tuple for a fixed group of values.",
+    "1. Research the company before the interview so you understand its products, culture and goals.\n"
+    "2. Practice answers to common questions, and prepare examples that show your skills.\n"
+    "3. Arrive on time, dress appropriately, and ask thoughtful questions at the end. "
+    "Follow up with a short thank-you email within a day to show your interest in the role.",
+]
+POSITIONS = 64
+
+
+@pytest.fixture(scope="module")
+def quantized(bundled_gguf_path: Path, bundled: ModelBundle) -> dict[str, ModelBundle]:
+    """int4 straight from the file's Q4_1 codes, and int8 from the same file; one load for both."""
+    native: LoadedModel = load_model(bundled_gguf_path, dtype=torch.float32, native_int4=True)
+    return {fmt: ModelBundle(build_model(native.config, native.weights, EngineConfig(quantization=fmt),
+                                         int4=native.int4), bundled.tokenizer) for fmt in ("int4", "int8")}
+
+
+def teacher_forced_agreement(reference: ModelBundle, other: ModelBundle) -> list[float]:
+    tok = reference.tokenizer
+    agreement = []
+    for prompt, answer in zip(PROMPTS, ANSWERS, strict=True):
+        head = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+        ids = torch.tensor(head + tok.encode(answer)[:POSITIONS])
+        assert len(ids) == len(head) + POSITIONS
+        # Logits at the last prompt token and the first 63 answer tokens: 64 next-token choices.
+        want = reference.model.forward_dense(ids)[len(head) - 1 : -1].argmax(-1)
+        got = other.model.forward_dense(ids)[len(head) - 1 : -1].argmax(-1)
+        agreement.append(float((want == got).float().mean()))
+    return agreement
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("fmt", "floor"), [
+    ("int8", 0.9),  # the issue's bar
+    # 4-bit weights (the file's own, plus the Q8_0 embedding/head requantized to 4-bit): measured 0.83
+    # to 0.91 per prompt, 0.87 mean (int8: 0.92 to 0.98); the floor sits below that.
+    ("int4", 0.8),
+])
+def test_quantized_greedy_agrees_with_fp32(bundled: ModelBundle, quantized: dict[str, ModelBundle], fmt: str,
+                                           floor: float) -> None:
+    """fp32 is the same GGUF dequantized, so int4 differs from it only where the weights do not."""
+    agreement = teacher_forced_agreement(bundled, quantized[fmt])
+    print(f"{fmt} teacher-forced greedy agreement with fp32 over {POSITIONS} tokens: {agreement}")
+    assert sum(agreement) / len(agreement) >= floor, agreement
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_quantized_speculation_is_token_identical(quantized: dict[str, ModelBundle], fmt: str) -> None:
+    bundle = quantized[fmt]
+    tok = bundle.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": "Fix the spelling and return the whole text: Teh cat "
+                                  "sat on teh mat and lookd at the moon. Then teh cat went to slep."}]),
+        tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+    ]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in bundle.engine(kv_cache_gib=0.1, max_model_len=1024).generate(prompts, greedy)]
+    spec = SpeculativeConfig(method="ngram", num_tokens=5, draft_row_cost=0.0)  # always draft: verify every step
+    engine = bundle.engine(kv_cache_gib=0.1, max_model_len=1024, speculative=spec)
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == plain
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
