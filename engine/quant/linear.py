@@ -40,8 +40,11 @@ class Int4Linear(nn.Module):
         self.group_size = weight.group_size
         # The pack op wants N a multiple of 16: pad with zero rows (scale 0, zero 0), sliced off after.
         pad = -self.out_features % 16
-        codes = F.pad(weight.codes().to(torch.int32), (0, 0, 0, pad))  # (N', K), 0..15: the op's input format
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        packed_rows = F.pad(weight.packed, (0, 0, 0, pad), value=0x88)  # code 8 = 0 once scale/zero are 0
+        # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time (the packed layout is
+        # row-local, so the pieces concatenate) to keep that transient small for the 49k-row head.
+        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_nibbles(packed_rows[i : i + 1024]).to(torch.int32), 1) for i in range(0, packed_rows.shape[0], 1024)])
         self.register_buffer("packed", packed, persistent=False)
         # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8).
         scale = F.pad(weight.scale, (0, 0, 0, pad))
