@@ -249,3 +249,17 @@ def test_quantized_speculation_is_token_identical(quantized: dict[str, ModelBund
     engine = bundle.engine(kv_cache_gib=0.1, max_model_len=1024, speculative=spec)
     assert [o.token_ids for o in engine.generate(prompts, greedy)] == plain
     assert engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU path (bf16 weights "
+                    "and activations under dtype/quantization auto) runs only where one is")
+def test_cuda_auto_runs_bf16(tmp_path: Path) -> None:
+    path, _, _ = write_tiny_gguf(tmp_path / "t.gguf", tied=True, qtypes={"attn_q": Q.Q4_1})
+    engine = Engine.from_pretrained(str(path), device="cuda", kv_cache_gib=0.01)
+    assert engine.model.weight_format == "none" and engine.dtype == torch.bfloat16
+    ids = engine.tokenizer.encode(" the hell tell the")
+    out = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    seq = list(ids)
+    for _ in range(8):
+        seq.append(int(engine.model.forward_dense(torch.tensor(seq, device="cuda"))[-1].argmax()))
+    assert out.token_ids == seq[len(ids):]
