@@ -24,6 +24,7 @@ from decodeservice.engine.quant import (
     quantize_int8,
 )
 from decodeservice.engine.quant.int4 import pack_nibbles, unpack_nibbles
+from decodeservice.engine.quant.linear import DENSE_ROWS
 from tests.conftest import ModelBundle
 from tests.engine.test_loader import write_tiny_gguf
 
@@ -67,7 +68,13 @@ def test_int4_linear_matches_its_dequantized_weight(group_size: int) -> None:
     want = x.float() @ dense.t()
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     # One row and several rows through the same kernel give the same row (speculation relies on it).
-    torch.testing.assert_close(Int4Linear(q)(x[:1]), got[:1], rtol=0, atol=0)
+    linear = Int4Linear(q)
+    torch.testing.assert_close(linear(x[:1]), got[:1], rtol=0, atol=0)
+    # The weight read back from the kernel's packed layout (prompt chunks use it for a dense GEMM).
+    torch.testing.assert_close(linear.dense_weight()[:96].float(), dense, rtol=1e-2, atol=1e-2)
+    rows = torch.randn(DENSE_ROWS, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want_rows = rows.float() @ dense.t()
+    torch.testing.assert_close(linear(rows).float(), want_rows, rtol=2e-2, atol=2e-2 * float(want_rows.abs().max()))
 
 
 def test_int8_linear_matches_reference() -> None:
