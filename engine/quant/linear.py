@@ -82,7 +82,8 @@ class Int4Linear(nn.Module):
         codes = torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(rows, k // self.group_size,
                                                                                       self.group_size)
         scale, zero = self.scale_zeros.unbind(-1)  # (K/G, N') each
-        weight = (codes.to(self.scale_zeros.dtype) - 8) * scale.t().unsqueeze(-1) + zero.t().unsqueeze(-1)
+        # In place: one weight-sized buffer, not one per operation (a prompt chunk runs this per layer).
+        weight = codes.to(self.scale_zeros.dtype).sub_(8).mul_(scale.t().unsqueeze(-1)).add_(zero.t().unsqueeze(-1))
         return weight.view(rows, k)
 
 
