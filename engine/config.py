@@ -54,12 +54,14 @@ class SpeculativeConfig:
     # Per request, k follows the request's recent acceptance and the batch size (see decoder.py):
     # position j is drafted only while its expected acceptance beats its cost.
     adaptive: bool = True
-    # What verifying one more position costs, as a fraction of a batch-1 decode step. On 2 CPU cores
-    # with oneDNN-packed fp32 weights, benchmarks/spec_decode.py measured about 0.04 (its
-    # median_step_ms_by_drafts); on a GPU at small batch it is far lower. A draft at position j pays
-    # when P(accepted) > draft_row_cost x batch size, so the same rule turns speculation down as the
-    # batch grows and turns it off for requests whose drafts keep failing. 0 always drafts num_tokens.
-    draft_row_cost: float = 0.04
+    # What verifying one more position costs, as a fraction of a batch-1 decode step. Measured with
+    # benchmarks/spec_decode.py (median_step_ms_by_drafts, 1 thread, input-grounded, k=8): about 0.2 for
+    # the default int4 weights of the bundled model (batch-1 step 45-52 ms, +8 rows 116-121 ms: the int4
+    # kernel's cost grows with rows), about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
+    # at small batch it is far lower. A draft at position j pays when P(accepted) > draft_row_cost x
+    # batch size, so the same rule turns speculation down as the batch grows and turns it off for
+    # requests whose drafts keep failing. 0 always drafts num_tokens.
+    draft_row_cost: float = 0.2
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft", "self_draft"):
