@@ -1,13 +1,18 @@
-"""Engine vs HF transformers on the bundled model, fp32, side by side in one run. JSON to stdout.
+"""The engine at fp32, bf16, int8 and int4 (speculation off and on) vs HF transformers and llama.cpp,
+on the bundled model, in one run. JSON out.
 
-    .venv/bin/python benchmarks/engine_vs_peers.py [--threads 2] [--decode-tokens 128] [--out FILE]
+    .venv/bin/python -P benchmarks/engine_vs_peers.py [--threads 2] [--decode-tokens 64] [--out FILE]
 
-Two clocks, measured separately, on a ~600-token summarization prompt and a short chat prompt:
-- TTFT: the prefill of the prompt plus the first token (prefix caching off, so it is real work);
-- decode tokens/s: new greedy tokens after the first, divided by the time after the first token.
-Then the engine's aggregate decode tokens/s with 1, 8 and 32 concurrent sequences, its peak RSS
-(taken before the HF model is loaded into the same process), and the fp32 weight-streaming ceiling
-(one matrix-vector product per weight matrix) measured in the same run. Medians over `--repeats` runs.
+Every variant runs in its own process, one after the other, on the same prompts, so each peak RSS is
+that variant's alone. Per variant:
+- TTFT on a ~550-token summarization prompt (prefix caching off: the prefill is real work);
+- single-stream decode tokens/s after the first token, on the summarization prompt (input-grounded:
+  n-gram speculation can copy from it) and on a short open-ended chat prompt;
+- for the engine without speculation, the aggregate decode tokens/s of 32 concurrent chat streams;
+- for the default precision (int4), the torch.profiler breakdown of one decode step.
+llama.cpp runs through llama-cpp-python (the optional `bench` extra), skipped with a note when it is
+not importable. Its high-level API decodes one sequence, so its 32-stream figure is not measured here.
+The summary quotes every target of issue 13 as a ratio measured in this one run. Medians over repeats.
 """
 
 from __future__ import annotations
@@ -16,14 +21,12 @@ import argparse
 import json
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
-
-from decodeservice.engine import Engine, SamplingParams
 
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
@@ -33,59 +36,85 @@ ARTICLE = (
     "construction noise in residential streets. The mayor promised a public consultation in the spring "
     "and said that ticket prices would not rise before 2027. "
 )
+PRECISIONS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "auto"),
+              "int4": ("int4", "auto")}
+ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")]
+PEERS = ["hf_transformers", "llama_cpp"]
 
 
-def summarize_prompt(engine: Engine, target_tokens: int = 600) -> str:
-    body = ""
+def build_prompts(target_tokens: int) -> dict[str, str]:
+    from decodeservice.engine.loader import ensure_model
+    from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
+
+    tok = read_gguf_tokenizer(ensure_model("smollm2-135m", progress=False))
+    body = ARTICLE
     while True:
-        candidate = body + ARTICLE
-        text = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Summarize the following report in three sentences.\n\n{candidate}"}])
-        if len(engine.tokenizer.encode(text)) > target_tokens:
-            return text if body else candidate
-        body = candidate
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": f"Summarize the following report in three sentences.\n\n{body}"}])
+        if len(tok.encode(text)) >= target_tokens:
+            break
+        body += ARTICLE
+    chat = tok.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}])
+    return {"summarize": text, "chat": chat}
 
 
-def engine_two_clocks(engine: Engine, prompt: str, new_tokens: int) -> tuple[float, float]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+# -- the engine -------------------------------------------------------------------------------------
+
+
+def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from decodeservice.engine import Engine, SamplingParams
+
+    precision = name.removeprefix("engine_").removesuffix("_spec")
+    quantization, dtype = PRECISIONS[precision]
+    spec = {"method": "ngram", "num_tokens": 8} if name.endswith("_spec") else None
     start = time.perf_counter()
-    engine.add_request(prompt, params)
-    first = None
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        if first is None and outs and outs[0].new_token_ids:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None
-    return first - start, (new_tokens - 1) / (end - first)
+    engine = Engine.from_pretrained("smollm2-135m", quantization=quantization, dtype=dtype, speculative=spec,
+                                    enable_prefix_caching=False, max_num_seqs=64, max_model_len=2048,
+                                    kv_cache_gib=args.kv_cache_gib)
+    result: dict[str, Any] = {"load_s": time.perf_counter() - start, "weights": engine.model.weight_format,
+                              "activations": str(engine.dtype).removeprefix("torch."),
+                              "torch_threads": torch.get_num_threads()}
+
+    def two_clocks(prompt: str, new_tokens: int) -> tuple[float, float]:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        engine.add_request(prompt, params)
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and outs and outs[0].new_token_ids:
+                first = time.perf_counter()
+        assert first is not None
+        return first - t0, (new_tokens - 1) / (time.perf_counter() - first)
+
+    two_clocks(prompts["chat"], 8)  # warm-up
+    ttft = [two_clocks(prompts["summarize"], 2)[0] for _ in range(args.repeats)]
+    result["ttft_s"] = statistics.median(ttft)
+    for key in ("summarize", "chat"):
+        rates = [two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats)]
+        result[f"decode_tokens_per_s_{key}"] = statistics.median(rates)
+    if spec is None and args.streams > 1:
+        result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched(engine, prompts["chat"], args)
+    if name == f"engine_{args.profile}":
+        result["decode_step_profile"] = profile_step(engine, prompts["chat"])
+    return result
 
 
-def hf_two_clocks(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
-        total = time.perf_counter() - start
-    return ttft, (new_tokens - 1) / (total - ttft)
+def batched(engine: Any, prompt: str, args: argparse.Namespace) -> float:
+    """Aggregate decode tokens/s once every stream has its first token."""
+    from decodeservice.engine import SamplingParams
 
-
-def engine_batched(engine: Engine, prompt: str, concurrency: int, new_tokens: int) -> float:
-    """Aggregate decode tokens/s once every sequence has its first token."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i in range(concurrency):
+    params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(args.streams):
         engine.add_request(f"{i}: {prompt}", params)
-    produced = 0
-    started: float | None = None
-    active = set()
+    produced, started, active = 0, None, set()
     while engine.has_unfinished_requests():
         outs = engine.step()
         if started is None:
             active.update(o.request_id for o in outs if o.new_token_ids)
-            if len(active) == concurrency:
+            if len(active) == args.streams:
                 started = time.perf_counter()
             continue
         produced += sum(len(o.new_token_ids) for o in outs)
@@ -93,82 +122,195 @@ def engine_batched(engine: Engine, prompt: str, concurrency: int, new_tokens: in
     return produced / (time.perf_counter() - started)
 
 
-def weight_streaming_cap(engine: Engine, repeats: int = 10) -> float:
-    """Tokens/s if a decode step did nothing but one matrix-vector product per weight matrix: the
-    memory-bandwidth ceiling for single-stream fp32 decode on this machine, measured, not assumed."""
-    # The engine's own projections (oneDNN-packed on CPU), one row each: the same kernels decode uses.
-    layers = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(1, m.in_features) for m in layers}
-    with torch.inference_mode():
-        for m in layers:
-            m(inputs[m.in_features])
-        start = time.perf_counter()
-        for _ in range(repeats):
-            for m in layers:
-                m(inputs[m.in_features])
-    return repeats / (time.perf_counter() - start)
+def profile_step(engine: Any, prompt: str, steps: int = 8) -> dict[str, Any]:
+    """Where one single-stream decode step goes: ops by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from decodeservice.engine import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # prefill and a couple of decode steps first
+        engine.step()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall_ms = (time.perf_counter() - start) * 1000 / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ops = {e.key: {"ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+                   "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // steps}
+           for e in events[:12]}
+    return {"wall_ms_per_step_profiled": round(wall_ms, 2), "ops_by_self_cpu": ops}
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
+# -- peers ------------------------------------------------------------------------------------------
+
+
+def hf_variant(prompts: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from decodeservice.engine.loader import ensure_model
+    from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
+
+    path = ensure_model("smollm2-135m", progress=False)
+    tok = read_gguf_tokenizer(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+
+    def two_clocks(prompt: str, new_tokens: int) -> tuple[float, float]:
+        ids = torch.tensor([tok.encode(prompt)])
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
+            total = time.perf_counter() - t0
+        return ttft, (new_tokens - 1) / (total - ttft)
+
+    two_clocks(prompts["chat"], 4)
+    result: dict[str, Any] = {"weights": "fp32", "torch_threads": torch.get_num_threads()}
+    result["ttft_s"] = statistics.median(two_clocks(prompts["summarize"], 2)[0] for _ in range(args.repeats))
+    for key in ("summarize", "chat"):
+        result[f"decode_tokens_per_s_{key}"] = statistics.median(
+            two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats))
+    return result
+
+
+def llama_cpp_variant(prompts: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        return {"skipped": f"llama-cpp-python is not importable ({exc}); install the `bench` extra"}
+    from decodeservice.engine.loader import ensure_model
+
+    path = ensure_model("smollm2-135m", progress=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads,
+                          n_batch=512, verbose=False)
+
+    def two_clocks(prompt: str, new_tokens: int) -> tuple[float, float]:
+        ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+        llm.reset()  # no KV reuse from the previous call: the prefill is real work, as for the engine
+        t0 = time.perf_counter()
+        first, count = 0.0, 0
+        for _token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+            if count == new_tokens:
+                break
+        return first - t0, (new_tokens - 1) / (time.perf_counter() - first)
+
+    two_clocks(prompts["chat"], 8)
+    result: dict[str, Any] = {"version": llama_cpp.__version__, "weights": "gguf Q4_1 (its own kernels)",
+                              "threads": args.threads,
+                              "streams_note": "llama-cpp-python's Llama decodes one sequence; its server "
+                                              "(not installed here) was not run, so no 32-stream figure"}
+    result["ttft_s"] = statistics.median(two_clocks(prompts["summarize"], 2)[0] for _ in range(args.repeats))
+    for key in ("summarize", "chat"):
+        result[f"decode_tokens_per_s_{key}"] = statistics.median(
+            two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats))
+    return result
+
+
+# -- driver -----------------------------------------------------------------------------------------
+
+
+def run_child(args: argparse.Namespace) -> int:
+    prompts = json.loads(Path(args.prompts).read_text())
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.variant == "hf_transformers":
+        result = hf_variant(prompts, args)
+    elif args.variant == "llama_cpp":
+        result = llama_cpp_variant(prompts, args)
+    else:
+        result = engine_variant(args.variant, prompts, args)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(args.child_out).write_text(json.dumps(result))
+    return 0
+
+
+def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
+    """Issue 13's targets, each as a ratio of two figures from this run (None where one is missing)."""
+    def get(name: str, key: str) -> float | None:
+        value = variants.get(name, {}).get(key)
+        return float(value) if isinstance(value, int | float) else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    chat = "decode_tokens_per_s_chat"
+    agg = f"aggregate_{streams}_streams_tokens_per_s"
+    out: dict[str, Any] = {
+        "int4_decode_vs_llama_cpp (target >= 1.0, stretch 1.3)": ratio(get("engine_int4", chat), get("llama_cpp", chat)),
+        "int8_decode_vs_llama_cpp (target >= 0.6)": ratio(get("engine_int8", chat), get("llama_cpp", chat)),
+        "int4_ttft_vs_llama_cpp (target <= 0.5)": ratio(get("engine_int4", "ttft_s"), get("llama_cpp", "ttft_s")),
+        f"int4_aggregate_{streams}_vs_own_single_stream (target >= 8)": ratio(get("engine_int4", agg),
+                                                                               get("engine_int4", chat)),
+        f"int4_aggregate_{streams}_vs_llama_cpp_single_stream (target >= 3 x its server; see note)": ratio(
+            get("engine_int4", agg), get("llama_cpp", chat)),
+        "int4_peak_rss_vs_fp32 (target <= 0.5)": ratio(get("engine_int4", "peak_rss_mib"),
+                                                       get("engine_fp32", "peak_rss_mib")),
+        "int4_decode_vs_fp32": ratio(get("engine_int4", chat), get("engine_fp32", chat)),
+        "int4_decode_vs_hf_transformers": ratio(get("engine_int4", chat), get("hf_transformers", chat)),
+    }
+    for precision in PRECISIONS:
+        for key in ("summarize", "chat"):
+            out[f"{precision}_spec_on_vs_off_{key}"] = ratio(get(f"engine_{precision}_spec", f"decode_tokens_per_s_{key}"),
+                                                             get(f"engine_{precision}", f"decode_tokens_per_s_{key}"))
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=550)
+    # The same pool for every precision (bf16 fits twice the tokens): enough for 32 chat streams at fp32,
+    # and small, since a pool is resident memory that would otherwise swamp the weights in peak RSS.
+    parser.add_argument("--kv-cache-gib", type=float, default=0.15)
+    parser.add_argument("--profile", default="int4", choices=list(PRECISIONS), help="precision to profile")
+    parser.add_argument("--variants", default=",".join(ENGINE_VARIANTS + PEERS))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.variant:
+        return run_child(args)
 
-    engine = Engine.from_pretrained("smollm2-135m", enable_prefix_caching=False, max_num_seqs=64)
-    prompts = {
-        "summarize": summarize_prompt(engine),
-        "chat": engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}]),
-    }
-    engine_two_clocks(engine, prompts["chat"], 8)  # warm-up
-    result: dict[str, Any] = {"threads": args.threads, "dtype": "float32", "decode_tokens": args.decode_tokens,
-                              "prompts": {}, "batched_decode_tokens_per_s": {}}
-    for name, prompt in prompts.items():
-        runs = [engine_two_clocks(engine, prompt, args.decode_tokens) for _ in range(args.repeats)]
-        result["prompts"][name] = {
-            "prompt_tokens": len(engine.tokenizer.encode(prompt)),
-            "engine": {"ttft_s": median([r[0] for r in runs]), "decode_tokens_per_s": median([r[1] for r in runs])},
-        }
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
-        result["batched_decode_tokens_per_s"][str(concurrency)] = engine_batched(
-            engine, prompts["chat"], concurrency, args.decode_tokens)
-    result["fp32_weight_streaming_cap_tokens_per_s"] = weight_streaming_cap(engine)
-    result["engine_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    single = result["batched_decode_tokens_per_s"].get("1")
-    top = result["batched_decode_tokens_per_s"].get("32")
-    if single and top:
-        result["batched_32_vs_1"] = top / single
-
-    if not args.skip_hf:
-        import transformers
-
-        from decodeservice.engine.loader import ensure_model
-
-        path = ensure_model("smollm2-135m", progress=False)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-        for name, prompt in prompts.items():
-            ids = torch.tensor([engine.tokenizer.encode(prompt)])
-            hf_two_clocks(hf, ids, 4)  # warm-up
-            runs = [hf_two_clocks(hf, ids, args.decode_tokens) for _ in range(args.repeats)]
-            entry = result["prompts"][name]
-            entry["hf_transformers"] = {"ttft_s": median([r[0] for r in runs]),
-                                        "decode_tokens_per_s": median([r[1] for r in runs])}
-            entry["ttft_ratio_engine_over_hf"] = entry["engine"]["ttft_s"] / entry["hf_transformers"]["ttft_s"]
-            entry["decode_speedup_vs_hf"] = (entry["engine"]["decode_tokens_per_s"]
-                                             / entry["hf_transformers"]["decode_tokens_per_s"])
-            entry["engine_decode_share_of_cap"] = (entry["engine"]["decode_tokens_per_s"]
-                                                   / result["fp32_weight_streaming_cap_tokens_per_s"])
-    text = json.dumps(result, indent=2)
+    prompts = build_prompts(args.prompt_tokens)
+    report: dict[str, Any] = {"threads": args.threads, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+                              "streams": args.streams, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file = Path(tmp) / "prompts.json"
+        prompt_file.write_text(json.dumps(prompts))
+        for variant in args.variants.split(","):
+            out = Path(tmp) / f"{variant}.json"
+            cmd = [sys.executable, "-P", __file__, "--variant", variant, "--prompts", str(prompt_file),
+                   "--child-out", str(out), "--threads", str(args.threads), "--decode-tokens",
+                   str(args.decode_tokens), "--repeats", str(args.repeats), "--streams", str(args.streams),
+                   "--profile", args.profile, "--kv-cache-gib", str(args.kv_cache_gib)]
+            start = time.perf_counter()
+            done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode == 0:
+                report["variants"][variant] = json.loads(out.read_text())
+            else:
+                report["variants"][variant] = {"error": done.stderr.strip()[-1500:]}
+            print(f"{variant}: {time.perf_counter() - start:.0f} s {report['variants'][variant]}", file=sys.stderr)
+    report["ratios"] = ratios(report["variants"], args.streams)
+    text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

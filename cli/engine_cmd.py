@@ -43,9 +43,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=engine("max_num_batched_tokens"),
                         help="tokens per step (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--dtype", default=engine("dtype"), choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default=engine("dtype"), choices=["auto", "float32", "float16", "bfloat16"],
+                        help="activations and KV cache (default %(default)s: bfloat16 with int8/int4 weights or on "
+                             "CUDA, else float32)")
     parser.add_argument("--device", default=engine("device"), help="torch device, e.g. cpu or cuda (default %(default)s)")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8"], help="weight format")
+    parser.add_argument("--quantization", default=engine("quantization"), choices=["auto", "none", "int8", "int4"],
+                        help="weight format (default %(default)s: the model's own, int4 for a Q4_0/Q4_1 GGUF on "
+                             "CPU); int8 and int4 run on CPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
     group = parser.add_argument_group("speculative decoding")
@@ -57,7 +61,7 @@ def register(subparsers: Any) -> None:
                        help=f"turn speculation off at this many running sequences (default {spec('disable_batch_size')})")
     group.add_argument("--speculative-draft-row-cost", type=float,
                        help=f"cost of verifying one more draft, as a fraction of a decode step (default "
-                            f"{spec('draft_row_cost')}, measured on CPU); sets how fast k shrinks with low "
+                            f"{spec('draft_row_cost')}, measured for int4 on CPU; about 0.04 for fp32); sets how fast k shrinks with low "
                             "acceptance and large batches")
     parser.add_argument("--max-body-bytes", type=int, default=server("max_body_bytes"),
                         help="request body limit in bytes (default %(default)s)")

@@ -69,12 +69,14 @@ class SpeculativeConfig:
     # Per request, k follows the request's recent acceptance and the batch size (see decoder.py):
     # position j is drafted only while its expected acceptance beats its cost.
     adaptive: bool = True
-    # What verifying one more position costs, as a fraction of a batch-1 decode step. On 2 CPU cores
-    # with oneDNN-packed fp32 weights, benchmarks/spec_decode.py measured about 0.04 (its
-    # median_step_ms_by_drafts); on a GPU at small batch it is far lower. A draft at position j pays
-    # when P(accepted) > draft_row_cost x batch size, so the same rule turns speculation down as the
-    # batch grows and turns it off for requests whose drafts keep failing. 0 always drafts num_tokens.
-    draft_row_cost: float = 0.04
+    # What verifying one more position costs, as a fraction of a batch-1 decode step. Measured with
+    # benchmarks/spec_decode.py (median_step_ms_by_drafts, 1 thread, input-grounded, k=8): about 0.2 for
+    # the default int4 weights of the bundled model (batch-1 step 45-52 ms, +8 rows 116-121 ms: the int4
+    # kernel's cost grows with rows), about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
+    # at small batch it is far lower. A draft at position j pays when P(accepted) > draft_row_cost x
+    # batch size, so the same rule turns speculation down as the batch grows and turns it off for
+    # requests whose drafts keep failing. 0 always drafts num_tokens.
+    draft_row_cost: float = 0.2
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft", "self_draft"):
@@ -119,9 +121,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Activations and KV cache. auto: bfloat16 with quantized weights or on CUDA, else float32.
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = "cpu"
-    quantization: Literal["none", "int8"] = "none"
+    # Weights: none | int8 (per channel) | int4 (groups of 32) | auto, the source's own precision where
+    # the kernels support it (the bundled Q4_1 GGUF: int4, loaded as 4-bit). See engine/quant.
+    quantization: Literal["none", "int8", "int4", "auto"] = "auto"
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
@@ -143,9 +148,15 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.quantization == "int8":
-            raise ConfigError("int8 weights are not available in this release; use quantization='none'")
-        if self.quantization != "none":
-            raise ConfigError("quantization must be 'none'")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError("dtype must be float32, float16 or bfloat16")
+        if self.quantization not in ("none", "int8", "int4", "auto"):
+            raise ConfigError(f"quantization must be none, int8, int4 or auto, not {self.quantization!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
+        if self.quantization in ("int8", "int4"):
+            if not self.device.startswith("cpu"):
+                # torch's CUDA int4 kernel wants another packing; on a GPU the engine runs bf16 weights.
+                raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; on {self.device} "
+                                  "use quantization 'none' or 'auto' (bf16 weights)")
+            if self.dtype not in ("auto", "bfloat16"):
+                raise ConfigError(f"quantization={self.quantization!r} needs bfloat16 activations (its kernels "
+                                  f"are slower than fp32 weights with {self.dtype}); use dtype auto or bfloat16")

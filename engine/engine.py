@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from decodeservice.engine.errors import ConfigError, InvalidRequestError, Prompt
 from decodeservice.engine.kv_cache import KVCacheManager
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.outputs import EngineStats, RequestMetrics, RequestOutput, SpecDecodeStats
+from decodeservice.engine.quant import Int4Weight, resolve_precision
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
 from decodeservice.engine.sampler import make_generator, sample_token, token_logprob
 from decodeservice.engine.sampling_params import SamplingParams
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     from decodeservice.engine.spec_decode.decoder import SpeculativeDecoder
 
 Prompt = str | Seq[int]
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -38,7 +39,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_config: ModelConfig = model.config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = model.activation_dtype  # the KV cache's too
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         num_blocks = self._num_blocks()
@@ -81,17 +82,20 @@ class Engine:
         engine_config = EngineConfig(**config)
         if engine_config.num_threads:
             torch.set_num_threads(engine_config.num_threads)
-        dtype = _DTYPES[engine_config.dtype]
-        loaded = load_model(resolve_model_path(str(name_or_path)), dtype=dtype)
-        model = build_model(loaded.config, loaded.weights, engine_config)
+        quantizing = engine_config.quantization != "none"
+        # Quantizing: 4-bit GGUF tensors stay 4-bit; the rest arrives fp32, the most exact source.
+        dtype = torch.float32 if quantizing else resolve_precision(engine_config, source_has_int4=False).activations
+        native_int4 = engine_config.quantization in ("int4", "auto")
+        loaded = load_model(resolve_model_path(str(name_or_path)), dtype=dtype, native_int4=native_int4)
+        model = build_model(loaded.config, loaded.weights, engine_config, int4=loaded.int4)
         draft = None
         spec = engine_config.speculative
         if spec is not None and spec.method == "draft":
             assert spec.draft_model is not None
-            draft_loaded = load_model(resolve_model_path(spec.draft_model), dtype=dtype)
+            draft_loaded = load_model(resolve_model_path(spec.draft_model), dtype=dtype, native_int4=native_int4)
             if draft_loaded.config.vocab_size != loaded.config.vocab_size:
                 raise ConfigError("the draft model must share the target's vocabulary")
-            draft = build_model(draft_loaded.config, draft_loaded.weights, engine_config)
+            draft = build_model(draft_loaded.config, draft_loaded.weights, engine_config, int4=draft_loaded.int4)
         return cls(model=model, tokenizer=loaded.tokenizer, config=engine_config, draft=draft)
 
     def _num_blocks(self) -> int:
@@ -297,13 +301,17 @@ class Engine:
         )
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig) -> LlamaModel:
+def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: EngineConfig, *,
+                int4: Mapping[str, Int4Weight] | None = None) -> LlamaModel:
+    """The model at the precision `config` resolves to (see engine/quant); `int4` are 4-bit weights
+    as loaded (GGUF Q4_0/Q4_1), by HF name."""
+    precision = resolve_precision(config, source_has_int4=bool(int4))
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    # Built on the meta device, so no time goes into random init of weights we overwrite.
-    model = model.to_empty(device=config.device).to(dtype=_DTYPES[config.dtype])
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.load_hf_weights(weights)
+        model = LlamaModel(cfg).to(dtype=precision.activations)
+    # Built on the meta device, so no time goes into random init of weights we overwrite; the memory
+    # of projections about to be replaced by quantized modules is never touched, so never resident.
+    model = model.to_empty(device=config.device)
+    model.tie_weights()
+    model.load_hf_weights(weights, int4=int4, weight_format=precision.weights)
     model.rotary.reset_tables(config.device)
     return model.eval()

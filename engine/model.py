@@ -10,6 +10,7 @@ tests compare it against.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,14 @@ from torch import nn
 
 from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.config import ModelConfig
+from decodeservice.engine.quant.int4 import Int4Weight, quantize_int4
+from decodeservice.engine.quant.linear import (
+    Int4Embedding,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    quantize_int8,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +81,12 @@ class Linear(nn.Linear):
         return True
 
 
+# What a projection can be: dense (fp32 oneDNN-packed, bf16, fp16) or weight-only quantized.
+Projection = Linear | Int8Linear | Int4Linear
+Embedding = nn.Embedding | Int4Embedding | Int8Embedding
+
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -119,8 +134,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: the weights are streamed from memory once.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj: Projection = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj: Projection = Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,8 +167,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: Projection = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj: Projection = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = torch.split(self.gate_up_proj(x), self.intermediate, dim=-1)
@@ -173,13 +188,31 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: Embedding = embed
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            head.weight = embed.weight
+        self.lm_head: Projection = head
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """Activations and the KV cache run in the norms' dtype (bf16 when the weights are quantized)."""
+        return self.norm.weight.dtype
+
+    @property
+    def weight_format(self) -> str:
+        head = self.lm_head
+        return "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, Int8Linear) else "none"
+
+    def tie_weights(self) -> None:
+        """Point a plain tied head at the embedding again (after `to_empty`, which unties them)."""
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):
+            assert isinstance(self.embed_tokens, nn.Embedding)
+            self.lm_head.weight = self.embed_tokens.weight
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return list(self.layers)  # type: ignore[arg-type]
@@ -217,29 +250,73 @@ class LlamaModel(nn.Module):
         """Pre-pack every projection for oneDNN when the model runs fp32 on CPU; idempotent.
 
         Returns how many were packed. Call after the weights are loaded: packing copies them."""
-        shared = self.lm_head.weight is self.embed_tokens.weight
+        head, embed = self.lm_head, self.embed_tokens
+        shared = isinstance(head, Linear) and isinstance(embed, nn.Embedding) and head.weight is embed.weight
         return sum(module.pack_for_cpu(keep_plain=module is self.lm_head and shared)
                    for module in self.modules() if isinstance(module, Linear))
 
     # -- weights -----------------------------------------------------------------------------------
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF Llama-named tensors, fusing q/k/v and gate/up as this module lays them out."""
-        fused: dict[str, torch.Tensor] = {}
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor], *, int4: Mapping[str, Int4Weight] | None = None,
+                        weight_format: str = "none") -> None:
+        """Load HF Llama-named tensors, fusing q/k/v and gate/up as this module lays them out.
+
+        `int4` holds weights that arrive as 4-bit (GGUF Q4_0/Q4_1), by the same names. With
+        `weight_format` int8 or int4 the projections, the head and the embedding become quantized
+        modules (from the 4-bit codes directly where the format is int4); norms stay dense."""
+        source: dict[str, torch.Tensor | Int4Weight] = {**weights, **(int4 or {})}
+        fused: dict[str, torch.Tensor | Int4Weight] = {}
         for i in range(self.config.num_layers):
-            p = f"model.layers.{i}."
-            fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [weights[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
-            fused[f"layers.{i}.self_attn.o_proj.weight"] = weights[p + "self_attn.o_proj.weight"]
-            fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], dim=0)
-            fused[f"layers.{i}.mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
-            fused[f"layers.{i}.input_layernorm.weight"] = weights[p + "input_layernorm.weight"]
-            fused[f"layers.{i}.post_attention_layernorm.weight"] = weights[p + "post_attention_layernorm.weight"]
-        fused["embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-        fused["norm.weight"] = weights["model.norm.weight"]
-        if not self.config.tie_word_embeddings:
-            fused["lm_head.weight"] = weights["lm_head.weight"]
-        missing, unexpected = self.load_state_dict(fused, strict=False)
-        allowed_missing = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        if set(missing) - allowed_missing or unexpected:
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            fused[q + "self_attn.qkv_proj"] = _cat([source[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            fused[q + "self_attn.o_proj"] = source[p + "self_attn.o_proj.weight"]
+            fused[q + "mlp.gate_up_proj"] = _cat([source[p + "mlp.gate_proj.weight"], source[p + "mlp.up_proj.weight"]])
+            fused[q + "mlp.down_proj"] = source[p + "mlp.down_proj.weight"]
+        tied = self.config.tie_word_embeddings
+        embedding = source["model.embed_tokens.weight"]
+        fused["lm_head"] = embedding if tied else source["lm_head.weight"]
+        dense = {name: _dense(w) for name, w in source.items() if name.endswith("norm.weight")}
+        state = {name.removeprefix("model."): w for name, w in dense.items()}
+        if weight_format == "none":
+            state.update({f"{name}.weight": _dense(w) for name, w in fused.items() if not (tied and name == "lm_head")})
+            state["embed_tokens.weight"] = _dense(embedding)
+        else:
+            self._quantize(fused, embedding, weight_format)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if set(missing) - {"lm_head.weight"} or unexpected:  # a tied head has no weight of its own
             raise ValueError(f"weight mismatch: missing={missing} unexpected={unexpected}")
+
+    def _quantize(self, fused: Mapping[str, torch.Tensor | Int4Weight], embedding: torch.Tensor | Int4Weight,
+                  weight_format: str) -> None:
+        dtype, tied = self.activation_dtype, self.config.tie_word_embeddings
+        if weight_format == "int4":
+            as_int4 = {name: _int4(weight) for name, weight in fused.items()}
+            for name, int4 in as_int4.items():
+                self.set_submodule(name, Int4Linear(int4, dtype=dtype))
+            # The embedding dequantizes looked-up rows from nibble codes (the kernel's layout is opaque);
+            # tied, they are the head's own codes.
+            self.embed_tokens = Int4Embedding(as_int4["lm_head"] if tied else _int4(embedding), dtype=dtype)
+            return
+        for name, weight in fused.items():
+            self.set_submodule(name, Int8Linear(_dense(weight), dtype=dtype))
+        head = self.lm_head
+        if tied and isinstance(head, Int8Linear):
+            self.embed_tokens = Int8Embedding(head.weight_int8, head.scales, dtype=dtype)
+        else:
+            codes, scales = quantize_int8(_dense(embedding))
+            self.embed_tokens = Int8Embedding(codes, scales.to(dtype), dtype=dtype)
+
+
+def _dense(weight: torch.Tensor | Int4Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, Int4Weight) else weight
+
+
+def _int4(weight: torch.Tensor | Int4Weight) -> Int4Weight:
+    """4-bit as it came, or quantized now in groups of 32 (the GGUF block size; the kernel is as fast
+    at 32 as at 64 here)."""
+    return weight if isinstance(weight, Int4Weight) else quantize_int4(weight, group_size=32)
+
+
+def _cat(parts: list[torch.Tensor | Int4Weight]) -> torch.Tensor | Int4Weight:
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight.cat([p for p in parts if isinstance(p, Int4Weight)])
+    return torch.cat([_dense(p) for p in parts], dim=0)

@@ -55,8 +55,12 @@ class EngineKind(enum.StrEnum):
 
 
 class Quantization(enum.StrEnum):
+    """The builtin engine's `--quantization` (engine/quant): auto runs the model's own precision."""
+
     NONE = "none"
     INT8 = "int8"
+    INT4 = "int4"
+    AUTO = "auto"
 
 
 class SpecMethod(enum.StrEnum):
@@ -90,7 +94,7 @@ class EngineSpec(_Model):
     max_num_seqs: int = Field(16, ge=1, le=4096)
     kv_cache_gib: float | None = Field(None, gt=0, alias="kvCacheGiB")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
-    quantization: Quantization = Quantization.NONE
+    quantization: Quantization = Quantization.AUTO
     speculative: SpeculativeSpec = Field(default_factory=lambda: SpeculativeSpec.model_validate({}))
     extra_args: tuple[str, ...] = ()
 
@@ -322,11 +326,16 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
     if engine.kind is EngineKind.VLLM:
         if spec.resources.gpus < 1:
             raise InvalidSpecError("spec.resources.gpus: the vllm engine needs at least one GPU")
-        if engine.quantization is not Quantization.NONE:
-            raise InvalidSpecError("spec.engine.quantization: int8 is a builtin-engine mode; give vLLM a "
-                                   "pre-quantized model instead")
+        if engine.quantization in (Quantization.INT8, Quantization.INT4):
+            raise InvalidSpecError(f"spec.engine.quantization: {engine.quantization.value} is a builtin-engine "
+                                   "mode; give vLLM a pre-quantized model instead")
         if engine.kv_cache_gib is not None:
             raise InvalidSpecError("spec.engine.kvCacheGiB: the vllm engine sizes its cache with "
                                    "gpuMemoryFraction")
+    if (engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0
+            and engine.quantization in (Quantization.INT8, Quantization.INT4)):
+        # The engine's int8/int4 kernels are CPU ones: the pod would fail at start-up, every time.
+        raise InvalidSpecError(f"spec.engine.quantization: {engine.quantization.value} runs on CPU only; with "
+                               "resources.gpus > 0 use auto or none (bf16 weights on the GPU)")
     if engine.gpu_memory_fraction is not None and spec.resources.gpus == 0:
         raise InvalidSpecError("spec.engine.gpuMemoryFraction: needs resources.gpus > 0; use kvCacheGiB on CPU")

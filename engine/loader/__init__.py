@@ -9,7 +9,8 @@ state dict ([out_features, in_features], as nn.Linear stores them), so the model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from decodeservice.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
+
+    from decodeservice.engine.quant.int4 import Int4Weight
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -53,6 +56,8 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # HF Llama names, the requested dtype, contiguous
     tokenizer: Tokenizer
+    # With native_int4: the GGUF's Q4_0/Q4_1 tensors, kept 4-bit (and then not in `weights`).
+    int4: dict[str, Int4Weight] = field(default_factory=dict)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -76,7 +81,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, *, source: Path) -> None:
+def check_weights(weights: Mapping[str, torch.Tensor | Int4Weight], config: ModelConfig, *, source: Path) -> None:
     """Reject a file whose tensors do not make up exactly the model its config describes."""
     expected = expected_weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
@@ -94,10 +99,11 @@ def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, *, sour
             )
 
 
-def load_model(path: Path, *, dtype: torch.dtype | None = None) -> LoadedModel:
+def load_model(path: Path, *, dtype: torch.dtype | None = None, native_int4: bool = False) -> LoadedModel:
     """Load a GGUF file or a HF model directory (config.json + *.safetensors + tokenizer.json).
 
-    dtype defaults to float32. Raises UnknownModelError when nothing is at `path`, and
+    dtype defaults to float32. With `native_int4`, a GGUF's Q4_0/Q4_1 tensors come back 4-bit in
+    `LoadedModel.int4`, never dequantized. Raises UnknownModelError when nothing is at `path`, and
     UnsupportedModelError for a corrupt file or an architecture/tensor type we cannot run.
     """
     import torch
@@ -111,5 +117,5 @@ def load_model(path: Path, *, dtype: torch.dtype | None = None) -> LoadedModel:
     if path.is_file():
         from decodeservice.engine.loader.gguf_loader import load_gguf
 
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, native_int4=native_int4)
     raise UnknownModelError(f"no model file or directory at {path}")

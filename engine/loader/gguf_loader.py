@@ -18,6 +18,7 @@ import torch
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.errors import ConfigError, UnsupportedModelError
 from decodeservice.engine.loader import LoadedModel, check_weights
+from decodeservice.engine.quant.int4 import Int4Weight, int4_from_gguf
 from decodeservice.engine.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -68,7 +69,7 @@ def _open(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
         raise UnsupportedModelError(f"{path}: corrupt GGUF metadata: {exc}") from exc
 
 
-def load_gguf(path: Path, *, dtype: torch.dtype) -> LoadedModel:
+def load_gguf(path: Path, *, dtype: torch.dtype, native_int4: bool = False) -> LoadedModel:
     reader, metadata = _open(path)
     arch = metadata.get("general.architecture")
     if arch != "llama":
@@ -83,18 +84,23 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> LoadedModel:
     config = _config(metadata, tensors, tokenizer, path=path)
 
     weights: dict[str, torch.Tensor] = {}
+    int4: dict[str, Int4Weight] = {}
     for gguf_name, tensor in tensors.items():
         hf_name = _hf_name(gguf_name)
         if hf_name is None:
             raise UnsupportedModelError(f"{path}: unexpected tensor {gguf_name!r} for a llama model")
+        heads = (config.num_heads if hf_name.endswith("q_proj.weight")
+                 else config.num_kv_heads if hf_name.endswith("k_proj.weight") else None)
+        if native_int4 and Q(tensor.tensor_type) in (Q.Q4_0, Q.Q4_1) and len(tensor.shape) == 2:
+            packed = _read_int4(tensor, path=path)
+            int4[hf_name] = packed if heads is None else packed.select_rows(_unpermute_rope_index(packed.shape[0], heads))
+            continue
         weight = _dequantize(tensor, path=path)
-        if hf_name.endswith("q_proj.weight"):
-            weight = _unpermute_rope(weight, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            weight = _unpermute_rope(weight, config.num_kv_heads)
+        if heads is not None:
+            weight = weight[_unpermute_rope_index(weight.shape[0], heads)]
         weights[hf_name] = weight.to(dtype).contiguous()
-    check_weights(weights, config, source=path)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
+    check_weights({**weights, **int4}, config, source=path)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, int4=int4)
 
 
 def _config(
@@ -168,11 +174,19 @@ def _dequantize(tensor: gguf.ReaderTensor, *, path: Path) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
-def _unpermute_rope(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute`: within each head it stores the rows as interleaved (x0, x_half, x1, ...)
-    pairs; HF's rotate_half wants the first half of the head's rows, then the second half."""
-    rows = weight.shape[0]
+def _read_int4(tensor: gguf.ReaderTensor, *, path: Path) -> Int4Weight:
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    try:
+        return int4_from_gguf(tensor.data, is_q4_1=Q(tensor.tensor_type) == Q.Q4_1, shape=(shape[0], shape[1]))
+    except _PARSE_ERRORS as exc:
+        raise UnsupportedModelError(f"{path}: tensor {tensor.name} is truncated or corrupt: {exc}") from exc
+
+
+def _unpermute_rope_index(rows: int, n_head: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's `permute`: within each head it stores the rows as interleaved
+    (x0, x_half, x1, ...) pairs; HF's rotate_half wants the first half of the head's rows, then the
+    second half. An index, so dense and 4-bit weights (rows of codes and scales) reorder alike."""
     if rows % (2 * n_head):
         raise UnsupportedModelError(f"{rows} q/k rows do not split into {n_head} heads of even size")
-    # (n_head, head_dim/2, 2, in) -> (n_head, 2, head_dim/2, in)
-    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    # (n_head, head_dim/2, 2) -> (n_head, 2, head_dim/2)
+    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)

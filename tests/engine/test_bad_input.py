@@ -74,7 +74,8 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
     {"block_size": 12},
     {"max_num_seqs": 0},
     {"kv_cache_gib": -1.0},
-    {"quantization": "int4"},
+    {"quantization": "int3"},
+    {"quantization": "int4", "device": "cuda"},
     {"speculative": {"method": "telepathy"}},
     {"speculative": {"method": "draft"}},
 ])

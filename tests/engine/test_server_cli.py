@@ -11,7 +11,8 @@ from decodeservice.cli.main import build_parser, main
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--quantization", "int8"], "int8 weights are not available"),
+    (["--quantization", "int8", "--dtype", "float32"], "needs bfloat16 activations"),
+    (["--quantization", "int4", "--device", "cuda"], "runs on CPU only"),
     (["--speculative-method", "draft"], "needs draft_model"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "99"], "num_tokens must be in [1, 16]"),
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
@@ -35,7 +36,7 @@ def test_flags_map_to_engine_config() -> None:
     assert isinstance(args, argparse.Namespace)
     kwargs = engine_cmd.engine_kwargs(args)
     assert kwargs["kv_cache_gib"] == 2.0 and kwargs["max_num_seqs"] == 8
-    assert kwargs["enable_prefix_caching"] is False and kwargs["quantization"] == "none"
+    assert kwargs["enable_prefix_caching"] is False and kwargs["quantization"] == "auto"
     assert kwargs["speculative"] == {"method": "ngram", "num_tokens": 3, "draft_model": None,
                                      "disable_batch_size": 4}
     plain = engine_cmd.engine_kwargs(build_parser().parse_args(["engine"]))

@@ -139,12 +139,12 @@ def test_replicas_pdb_and_autoscaling_bounds() -> None:
 def test_node_selector_tolerations_and_extra_args() -> None:
     children = render(minimal(resources={"nodeSelector": {"pool": "gpu"}, "gpus": 2, "tolerations": [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
-        engine={"extraArgs": ["--seed", "7"], "quantization": "int8"}))
+        engine={"extraArgs": ["--seed", "7"], "quantization": "none"}))
     pod = children.deployment["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "gpu"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     engine = container(children, "engine")
-    assert engine["args"][-2:] == ["--seed", "7"] and flag(engine["args"], "--quantization") == "int8"
+    assert engine["args"][-2:] == ["--seed", "7"] and flag(engine["args"], "--quantization") == "none"
     assert flag(engine["args"], "--device") == "cuda" and engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
@@ -164,6 +164,7 @@ def test_build_is_pure_and_options_apply() -> None:
     (minimal(engine={"kind": "vllm"}, model={"uri": "hf://org/m"}), "at least one GPU"),
     (minimal(engine={"kind": "vllm", "quantization": "int8"}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "pre-quantized"),
+    (minimal(engine={"quantization": "int4"}, resources={"gpus": 1}), "int4 runs on CPU only"),
     (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
     (minimal(model={"uri": "pvc://a/m"}, engine={"speculative": {"method": "draft", "draftModel": "pvc://b/d"}}),
      "must live on the model's claim"),

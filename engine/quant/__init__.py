@@ -1,0 +1,70 @@
+"""Weight quantization: which precision an engine runs at, and the modules that run it.
+
+    precision = resolve_precision(config, source_has_int4=True)   # Precision(weights='int4', activations=bf16)
+
+`quantization` is none | int8 | int4 | auto. auto takes the source's own precision where the kernels
+here support it: a GGUF whose projections are Q4_0/Q4_1 runs int4 (loaded as 4-bit, never dequantized),
+anything else runs unquantized. Quantized weights run on CPU with bfloat16 activations (the kernels are
+slower than fp32 with fp32 activations); on CUDA the engine runs bf16 weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from decodeservice.engine.config import EngineConfig
+from decodeservice.engine.errors import ConfigError
+from decodeservice.engine.quant.int4 import Int4Weight, int4_from_gguf, quantize_int4
+from decodeservice.engine.quant.linear import (
+    Int4Embedding,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    int4_kernels_available,
+    int8_kernels_available,
+    quantize_int8,
+)
+
+WeightFormat = Literal["none", "int8", "int4"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+__all__ = [
+    "DTYPES",
+    "Int4Embedding",
+    "Int4Linear",
+    "Int4Weight",
+    "Int8Embedding",
+    "Int8Linear",
+    "Precision",
+    "WeightFormat",
+    "int4_from_gguf",
+    "quantize_int4",
+    "quantize_int8",
+    "resolve_precision",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    weights: WeightFormat
+    activations: torch.dtype  # also the KV cache's dtype
+
+
+def resolve_precision(config: EngineConfig, *, source_has_int4: bool) -> Precision:
+    """What the engine runs at; a ConfigError at start-up for what this device cannot run."""
+    device = torch.device(config.device).type
+    weights: WeightFormat
+    if config.quantization == "auto":
+        weights = "int4" if source_has_int4 and device == "cpu" and int4_kernels_available() else "none"
+    else:
+        weights = config.quantization
+    if weights != "none":  # EngineConfig already refused a non-CPU device and non-bf16 activations
+        if not (int4_kernels_available() if weights == "int4" else int8_kernels_available()):
+            raise ConfigError(f"this torch build ({torch.__version__}) has no CPU {weights} weight kernels")
+        return Precision(weights=weights, activations=torch.bfloat16)
+    if config.dtype == "auto":
+        return Precision(weights="none", activations=torch.bfloat16 if device == "cuda" else torch.float32)
+    return Precision(weights="none", activations=DTYPES[config.dtype])
