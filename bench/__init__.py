@@ -8,7 +8,6 @@ defines them), `report` (table, JSON, Markdown, PNG), `dataset`/`datasets/` (the
 
 The project's own studies, which compare versions and peers and write JSON into
 `benchmarks/results/`, are scripts in the repository's `benchmarks/` folder, not this package.
-What only tests and those studies need lives in `tests/support/` (the fake engine);
-`kube_emulator.py`, the Kubernetes API emulator built on the test-only kmock, is the one exception
-left here and moves there next.
+What only tests and those studies need lives in `tests/support/` (the fake engine, and the Kubernetes
+API emulator built on the test-only kmock with its server-side-apply model).
 """

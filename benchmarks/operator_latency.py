@@ -14,15 +14,20 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import kopf
 from kmock import Server, resource
 
-from decodeservice.bench.kube_emulator import DEPLOYMENTS, ApiServer, declare_resources
 from decodeservice.operator.handlers import OperatorConfig, build_registry
 from decodeservice.serving.stats import percentile
+
+# The API emulator is test support, outside the installed packages: this study runs from a checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.kube_emulator import DEPLOYMENTS, ApiServer, declare_resources
 
 TARGET_MS = 1000.0
 

@@ -6,8 +6,6 @@ import ast
 import tomllib
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,8 +32,6 @@ def test_no_installed_module_imports_test_support() -> None:
     assert offenders == []
 
 
-@pytest.mark.xfail(strict=True, reason="bench/kube_emulator.py (kmock, a test extra) moves to tests/support/ "
-                   "once the operator branch that edits it is merged; then drop this marker")
 def test_no_installed_module_imports_the_test_only_kmock() -> None:
     offenders = [f"{path}: {name}" for path, name in _imports_of_installed_modules()
                  if name == "kmock" or name.startswith("kmock.")]

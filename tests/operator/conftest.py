@@ -13,9 +13,9 @@ import kopf
 import pytest
 from kmock import Server, resource
 
-from decodeservice.bench.kube_emulator import ApiServer, declare_resources
 from decodeservice.operator.autoscaler.controller import AutoscalingConfig
 from decodeservice.operator.handlers import OperatorConfig, build_registry
+from tests.support.kube_emulator import ApiServer, declare_resources
 
 
 def fast_settings() -> kopf.OperatorSettings:

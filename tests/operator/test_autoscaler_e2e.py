@@ -21,7 +21,6 @@ import yaml
 from aiohttp import web
 from kmock import action, resource
 
-from decodeservice.bench.kube_emulator import DEPLOYMENTS, DS, EVENTS, PODS
 from decodeservice.operator.autoscaler.controller import AutoscalingConfig
 from decodeservice.operator.autoscaler.scrape import ScrapeSettings
 from decodeservice.operator.manifests import render, selector_labels
@@ -30,6 +29,7 @@ from decodeservice.proxy.policy import Policy, PriorityClass
 from decodeservice.proxy.slo import RequestOutcome
 from tests.operator.conftest import Cluster, run_operator
 from tests.operator.helpers import EXAMPLES
+from tests.support.kube_emulator import DEPLOYMENTS, DS, EVENTS, PODS
 
 INTERVAL = 0.3
 POLICY = Policy.model_validate({"slo": {"ttftMs": 1000, "itlMs": 200}})

@@ -20,7 +20,6 @@ import pytest
 import yaml
 from kmock import ResourceInfo
 
-from decodeservice.bench.kube_emulator import DEPLOYMENTS, DS
 from decodeservice.operator.engines import PROXY_PORT
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.inference_pool import ENGINE_TYPE_LABEL
@@ -31,6 +30,7 @@ from tests.operator.conftest import Cluster, run_operator
 from tests.operator.helpers import CHART, EXAMPLES, example_paths, load
 from tests.operator.schema import _jsonschema, apply_defaults, cel_eval, cel_rules
 from tests.operator.test_operator_e2e import DS_PATH, condition, owned_by, smoke
+from tests.support.kube_emulator import DEPLOYMENTS, DS
 
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "inference.networking.k8s.io_inferencepools.yaml"
 POOLS = "inference.networking.k8s.io/v1/inferencepools"

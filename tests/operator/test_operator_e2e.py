@@ -9,10 +9,10 @@ import pytest
 import yaml
 from kmock import KubernetesError, action, resource
 
-from decodeservice.bench.kube_emulator import CONFIGMAPS, DEPLOYMENTS, DS, PDBS, SERVICES
 from decodeservice.operator.manifests import POLICY_HASH_ANNOTATION
 from tests.operator.conftest import Cluster, run_operator
 from tests.operator.helpers import EXAMPLES
+from tests.support.kube_emulator import CONFIGMAPS, DEPLOYMENTS, DS, PDBS, SERVICES
 
 DS_PATH = "/apis/decode.dev/v1alpha1/namespaces/default/decodeservices"
 

@@ -18,12 +18,12 @@ import kopf
 import pytest
 from kmock import action, resource
 
-from decodeservice.bench.kube_emulator import DEPLOYMENTS, DS
 from decodeservice.operator.errors import ApiError
 from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient
 from decodeservice.operator.manifests import render
 from tests.operator.conftest import Cluster, run_operator
 from tests.operator.test_operator_e2e import DS_PATH, applies, condition, smoke
+from tests.support.kube_emulator import DEPLOYMENTS, DS
 
 DEPLOY_PATH = "/apis/apps/v1/namespaces/default/deployments/smoke"
 T1 = {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}

@@ -23,7 +23,7 @@ import yaml
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo, action, resource
 from kmock._internal import parsing as _kmock_parsing
 
-from decodeservice.bench import server_side_apply as ssa
+from tests.support import server_side_apply as ssa
 
 DS = "decode.dev/v1alpha1/decodeservices"
 DEPLOYMENTS = "apps/v1/deployments"
