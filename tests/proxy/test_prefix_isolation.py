@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from decodeservice.bench.fake_engine import FakeEngine
 from decodeservice.proxy.policy import Policy
 from decodeservice.proxy.prefix_isolation import NO_TENANT_SALT, tenant_salt
 from tests.conftest import ModelBundle
 from tests.engine.test_server_harness import running_server
 from tests.proxy.conftest import running_proxy
+from tests.support.fake_engine import FakeEngine
 
 ISOLATED = {"admission": {"isolatePrefixCache": True}}
 BODY = {"model": "m", "prompt": "a b", "max_tokens": 2}

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from tests.conftest import ModelBundle
 from tests.engine.test_server_harness import RunningServer, running_server
 from tests.proxy.conftest import running_proxy
 from tests.reliability.conftest import assert_engine_idle, stack, wait_for
 from tests.reliability.outcomes import Outcome, Seen, Tally, classify_events, request, scrape, total
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 Record = Callable[[Tally], dict[str, Any]]
 COMPLETION = {"prompt": "Once upon a time", "temperature": 0}

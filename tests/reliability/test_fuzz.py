@@ -21,7 +21,6 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from decodeservice.bench.fake_engine import FakeEngine, serve_loopback
 from decodeservice.cli.main import main as decodectl
 from decodeservice.engine.errors import ConfigError, ModelLoadError
 from decodeservice.engine.loader import load_model
@@ -34,6 +33,7 @@ from tests.engine.test_loader import write_tiny_gguf
 from tests.engine.test_server_harness import RunningServer, running_server
 from tests.proxy.conftest import running_proxy
 from tests.reliability.outcomes import Outcome, Seen, Tally, classify_body, classify_events
+from tests.support.fake_engine import FakeEngine, serve_loopback
 
 Record = Callable[[Tally], dict[str, Any]]
 SCALE = float(os.environ.get("RELIABILITY_FUZZ_EXAMPLES_SCALE", "1"))
