@@ -283,7 +283,10 @@ class Autoscaler:
         rate_cap = self._rate_capacity.per_replica
         over = (rates.rate_panic / (rate_cap * max(scraped, 1)) if rate_cap is not None  # backlog is not a burst
                 else d_panic / cap / max(scraped, 1))
-        trigger = over >= st.panic_threshold or (
+        # A learned rate can be too low (a breach taught it while a hiccup slowed the pods); a rate "twice
+        # over" it with calm short-window latency says the estimate is wrong, not that a burst arrived.
+        calm = rate_cap is not None and s_panic is not None and s_panic < st.scale_down_threshold
+        trigger = (over >= st.panic_threshold and not calm) or (
             s_panic is not None and s_panic >= st.panic_threshold * st.scale_up_threshold)
         if trigger:
             self._panic_until = now + st.stable_window_seconds
@@ -345,6 +348,19 @@ class Autoscaler:
         m = current
         while m - 1 >= max(st.min_replicas, 1) and fits(m - 1):
             m -= 1
+        if m == current and rate_cap is not None and m - 1 >= max(st.min_replicas, 1):
+            # The learned rate only rises by `max_raise` x the rate a replica took, so on its own it would
+            # hold a small fleet (2 or 3 pods) above its need forever. Latency can vouch for one step
+            # down: the signal projected onto one pod fewer stays under the strict down threshold. The
+            # step asserts that m - 1 pods carry the rate, so the learned rate rises to match (or a
+            # breach there teaches it back down), and the rate sizing does not undo the step.
+            r = ready / (m - 1)
+            if (s < st.scale_down_threshold and floor + (s - floor) * r < st.scale_down_threshold
+                    and kv * r <= st.kv_usage_threshold * margin and waiting * r <= st.waiting_threshold * margin):
+                m -= 1
+                self._rate_capacity.per_replica = max(rate_cap, d_down / (m * st.target_utilization))
+                return m, (f"down: signal {s:.2f} projects to {floor + (s - floor) * r:.2f} on {m} replicas; "
+                           f"learned rate raised to {self._rate_capacity.per_replica:.2f} req/s per replica")
         if m == current:
             if current <= st.min_replicas:
                 return current, f"hold: at min_replicas {st.min_replicas}"

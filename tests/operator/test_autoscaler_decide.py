@@ -283,3 +283,19 @@ def test_a_breach_reveals_the_rate_per_replica_and_the_fleet_is_sized_on_the_off
     cap = f.scaler.rate_capacity
     assert cap is not None and 2.0 <= cap <= 4.0  # 4 req/s x 0.8 / s, s in [0.8, 1.6]
     assert d.desired_replicas == max(3, math.ceil(8.0 / (cap * 0.9)))
+
+
+def test_a_small_fleet_with_a_learned_rate_still_comes_down_when_latency_vouches() -> None:
+    # A breach teaches a low knee; afterwards the same offered rate runs with flat latency. The learned
+    # rate rises only by 1.5x the rate a pod takes, so on its own it would hold 3 pods forever at a load
+    # that latency says 1 pod carries; the latency projection steps down, and no rate sizing undoes it.
+    f = Fleet(Autoscaler(base(max_replicas=3, scale_down_stabilization_seconds=10.0)), 3)
+    f.run(4, **HEALTHY, inflight=2, requests=4)
+    f.tick(ttft=2.0, itl=0.09, inflight=2, requests=4)  # 0.8 req/s per pod at s = 2: knee ~0.32 req/s
+    assert f.scaler.rate_capacity is not None and f.scaler.rate_capacity < 0.8
+    total = 12  # first tokens per tick over the fleet: 2.4 req/s whatever the replica count
+    decisions = [f.tick(ttft=0.12, itl=0.02, inflight=1, requests=total // f.replicas) for _ in range(80)]
+    assert f.replicas < 3, decisions[-1].reason
+    downs = [d for d in decisions if d.desired_replicas < d.current_replicas]
+    assert downs and all("learned rate raised" in d.reason or "fit" in d.reason for d in downs)
+    assert reversals(decisions[-40:]) == 0

@@ -122,7 +122,7 @@ async def test_a_first_token_that_never_comes_holds_nothing_else(record: Record)
         # The client gave up on purpose: count it as a disconnect the proxy must clean up after.
         tally.add(*(Seen(Outcome.DISCONNECTED, 0, "client deadline") for _ in results), served)
         await stalled.wait_for(lambda f: f.cancelled == 4 and f.active == 0)
-        await wait_for(lambda: app.state.drain.active == 0, timeout=5, what="the proxy to forget them")
+        await wait_for(lambda: app.state.lifecycle.inflight == 0, timeout=5, what="the proxy to forget them")
         assert record(tally)["lost"] == 0
 
 
@@ -180,7 +180,7 @@ async def test_slow_and_stalled_readers(engine_srv: RunningServer, record: Recor
             w.close()
         tally.add(*(Seen(Outcome.DISCONNECTED, 0) for _ in stalled))
         await assert_engine_idle(engine_srv)
-        await wait_for(lambda: s.proxy.state.drain.active == 0, timeout=30, what="the proxy to let them go")
+        await wait_for(lambda: s.proxy.state.lifecycle.inflight == 0, timeout=30, what="the proxy to let them go")
         assert record(tally)["lost"] == 0
 
 
@@ -199,7 +199,7 @@ async def test_a_flood_of_connections_that_never_send_a_body(engine_srv: Running
         for w in flood:
             await w.drain()
         if target == "proxy":
-            await wait_for(lambda: s.proxy.state.drain.active == 64, timeout=30, what="the flood to arrive")
+            await wait_for(lambda: s.proxy.state.lifecycle.inflight == 64, timeout=30, what="the flood to arrive")
         tally = Tally(f"flood_without_body_{target}")
         # Everyone else is still served while the flood holds its connections open.
         tally.add(*await asyncio.gather(*(request(s.client, "/v1/completions", {**COMPLETION, "max_tokens": 4})
@@ -207,7 +207,7 @@ async def test_a_flood_of_connections_that_never_send_a_body(engine_srv: Running
         for w in flood:
             w.close()
         tally.add(*(Seen(Outcome.DISCONNECTED, 0) for _ in flood))
-        await wait_for(lambda: s.proxy.state.drain.active == 0, timeout=30, what="the proxy to drop the flood")
+        await wait_for(lambda: s.proxy.state.lifecycle.inflight == 0, timeout=30, what="the proxy to drop the flood")
         await assert_engine_idle(engine_srv)
         summary = record(tally)
         assert summary["lost"] == 0 and summary["outcomes"]["full"] == 4
