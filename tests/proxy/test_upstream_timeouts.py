@@ -57,6 +57,10 @@ class RawUpstream:
                 writer.write(SSE_HEAD)
             if self.mode == "stall":
                 writer.write(_chunk(TOKEN))
+            if self.mode == "bulk":  # more than the socket buffers hold, at once
+                writer.write(_chunk(TOKEN * self.tokens) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                await writer.drain()
+                return
             if self.mode == "gaps":
                 for _ in range(self.tokens):
                     await asyncio.sleep(self.gap_s)  # the upstream's pacing, below the proxy's stall limit
@@ -160,6 +164,22 @@ async def test_gaps_below_the_limits_pass() -> None:
         assert up.closed == 0
         for kind in ("first_token_timeout", "stall_timeout"):
             assert await _timeouts_counted(client, kind) == 0
+
+
+async def test_a_client_that_reads_slowly_is_not_an_upstream_stall() -> None:
+    # The upstream sends everything at once; the client stops reading for 2.5x the stall limit, so the
+    # proxy waits on the client, not on the upstream, and the answer must still be whole.
+    tokens = 400_000  # ~28 MB: more than the loopback socket buffers hold, so the proxy's writes block
+    async with raw_upstream("bulk", tokens=tokens) as up, \
+            running_proxy(_policy(stall_ms=200), up.url) as (_, client):
+        async with client.stream("POST", "/v1/completions", json=BODY) as response:
+            received = bytearray()
+            async for chunk in response.aiter_raw():
+                if not received:
+                    await asyncio.sleep(0.5)  # the slow reader
+                received += chunk
+        assert received.count(b'"text": "tok"') == tokens and received.endswith(b"data: [DONE]\n\n")
+        assert await _timeouts_counted(client, "stall_timeout") == 0
 
 
 async def test_null_turns_the_limits_off() -> None:
