@@ -204,7 +204,7 @@ async def test_a_flood_of_connections_that_never_send_a_body(engine_srv: Running
         for w in flood:
             await w.drain()
         if target == "proxy":
-            await wait_for(lambda: s.proxy.state.drain.active == 64, timeout=30, what="the flood to arrive")
+            await wait_for(lambda: s.proxy.state.lifecycle.inflight == 64, timeout=30, what="the flood to arrive")
         tally = Tally(f"flood_without_body_{target}")
         # Everyone else is still served while the flood holds its connections open.
         tally.add(*await asyncio.gather(*(request(s.client, "/v1/completions", {**COMPLETION, "max_tokens": 4})
