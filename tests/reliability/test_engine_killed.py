@@ -45,7 +45,7 @@ async def test_engine_sigkilled_mid_stream(record: Callable[[Tally], dict[str, A
             assert summary["outcomes"] == {"clean_error": 5}
             assert {s.error_code for s in cut} == {"upstream_died"}
             assert after.status == 503
-            await wait_for(lambda: app.state.drain.active == 0, timeout=10, what="the proxy to let go")
+            await wait_for(lambda: app.state.lifecycle.inflight == 0, timeout=10, what="the proxy to let go")
             metrics = (await client.get("/metrics")).text
             assert "decode_proxy:upstream_errors_total" in metrics
     finally:
