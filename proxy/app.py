@@ -33,6 +33,7 @@ from decodeservice.proxy.output_length import OutputLength
 from decodeservice.proxy.policy import Policy
 from decodeservice.proxy.prefix_isolation import PrefixCacheIsolation
 from decodeservice.proxy.request_body import JsonBody
+from decodeservice.proxy.streaming import UpstreamTimeouts
 from decodeservice.proxy.tenant_rate import TenantRateLimit
 from decodeservice.proxy.tokens import LocalTokenCounter, TokenCounter, UpstreamTokenCounter
 from decodeservice.proxy.upstream import Forwarder, PassThrough, make_client, upstream_ready
@@ -138,7 +139,12 @@ def create_app(
     counter: TokenCounter = (
         LocalTokenCounter(tokenizer_path) if tokenizer_path else UpstreamTokenCounter(client, upstream_url)
     )
-    chain: ASGIApp = Forwarder(client=client, upstream_url=upstream_url, metrics=metrics)
+    slo = policy.slo
+    timeouts = UpstreamTimeouts(
+        first_token_s=None if slo.first_token_timeout_ms is None else slo.first_token_timeout_ms / 1000,
+        stall_s=None if slo.stream_stall_timeout_ms is None else slo.stream_stall_timeout_ms / 1000,
+    )
+    chain: ASGIApp = Forwarder(client=client, upstream_url=upstream_url, metrics=metrics, timeouts=timeouts)
     window = BatchingWindow(chain, classes=policy.classes, metrics=metrics)
     chain = window
     admission = Admission(chain, policy=policy, metrics=metrics)

@@ -6,7 +6,7 @@ the app's error boundary renders it and counts it by its `reason`.
 
 from __future__ import annotations
 
-from decodeservice.serving.errors import RateLimited, ServiceUnavailable
+from decodeservice.serving.errors import RateLimited, ServerError, ServiceUnavailable
 
 
 class PolicyError(ValueError):
@@ -19,3 +19,10 @@ class Overloaded(RateLimited):
 
 class UpstreamUnavailable(ServiceUnavailable):
     code = "upstream_unavailable"
+
+
+class UpstreamTimeout(ServerError):
+    """The upstream sent no response head within `slo.firstTokenTimeoutMs` (a gateway timeout)."""
+
+    status_code = 504
+    code = "first_token_timeout"

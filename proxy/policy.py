@@ -20,6 +20,8 @@ slo:
   itlMs: 200                   # > 0
   percentile: 95               # (0, 100]
   windowSeconds: 60            # attainment window
+  firstTokenTimeoutMs: 60000   # > 0 or null (off): upstream send to first token event / response head
+  streamStallTimeoutMs: 30000  # > 0 or null (off): longest upstream silence once tokens flow
 admission:
   defaultClass: interactive    # interactive | batch
   maxInflight: 64
@@ -93,6 +95,17 @@ class SloPolicy(_Model):
     itl_ms: float = Field(default=200.0, gt=0, description="Inter-token latency objective, milliseconds.")
     percentile: float = Field(default=95.0, gt=0, le=100, description="Percentile the objectives apply to.")
     window_seconds: float = Field(default=60.0, gt=0, description="Sliding window for SLO attainment.")
+    # Hard limits, not objectives: the proxy gives up on the upstream (504 before the response head,
+    # else a terminal SSE error event) and closes the connection, so the engine aborts the request.
+    # Defaults are generous on purpose: a 60 s first token covers a long prompt's prefill behind a full
+    # queue on a slow replica, and 30 s of silence mid-stream is far beyond any decode step or
+    # preemption a healthy engine takes, yet both end a hung engine long before a client's own timeout
+    # (often 10 min). Null turns a limit off.
+    first_token_timeout_ms: float | None = Field(
+        default=60_000.0, gt=0,
+        description="Upstream send to the first token event (the response head when not streaming); null: off.")
+    stream_stall_timeout_ms: float | None = Field(
+        default=30_000.0, gt=0, description="Longest gap between upstream chunks once tokens flow; null: off.")
 
 
 class AdmissionPolicy(_Model):

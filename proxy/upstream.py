@@ -1,11 +1,13 @@
 """Talking to the upstream engine with httpx: the policy chain's innermost app, plain pass-through, /ready.
 
 Failures before the response starts (connection refused, reset, timeout) are answered 503 with
-`Retry-After`; failures after it are handled by the relay (terminal SSE error event, clean close).
+`Retry-After`; no response head within `slo.firstTokenTimeoutMs` is a 504; failures after it are
+handled by the relay (terminal SSE error event, clean close).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -14,10 +16,10 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from decodeservice.proxy.context import get_context, set_response_status
-from decodeservice.proxy.errors import UpstreamUnavailable
+from decodeservice.proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.slo import RequestOutcome
-from decodeservice.proxy.streaming import SseMeter, relay
+from decodeservice.proxy.streaming import NO_TIMEOUTS, SseMeter, UpstreamTimeouts, relay
 from decodeservice.proxy.transport import UpstreamTransport
 
 RETRY_AFTER_SECONDS = 1
@@ -59,7 +61,8 @@ class UpstreamClient(httpx.AsyncClient):
 
 def make_client(*, max_connections: int) -> httpx.AsyncClient:
     """The proxy's one client to the upstream; up to `max_connections` idle connections are kept."""
-    # No read timeout: a long generation may legitimately pause; the client's disconnect ends it instead.
+    # No read timeout here: the Forwarder bounds the first token and the gaps after it by the policy
+    # (`UpstreamTimeouts`); anything else (pass-through) may legitimately take its time.
     timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
     return UpstreamClient(transport=UpstreamTransport(max_idle_per_origin=max_connections), timeout=timeout)
 
@@ -105,10 +108,12 @@ async def _open(client: httpx.AsyncClient, request: httpx.Request, metrics: Prox
 class Forwarder:
     """Sends the (policy-rewritten) JSON body upstream and relays the answer, measuring it."""
 
-    def __init__(self, *, client: httpx.AsyncClient, upstream_url: str, metrics: ProxyMetrics):
+    def __init__(self, *, client: httpx.AsyncClient, upstream_url: str, metrics: ProxyMetrics,
+                 timeouts: UpstreamTimeouts = NO_TIMEOUTS):
         self.client = client
         self.base = upstream_url.rstrip("/")
         self.metrics = metrics
+        self.timeouts = timeouts
         # Per completion route, the parsed URL: parsing a URL costs more than the rest of a request.
         self._urls: dict[str, httpx.URL] = {}
         # Our own client's transport is called directly; any other client goes through `send`.
@@ -129,24 +134,34 @@ class Forwarder:
                                 headers=forward_headers(scope, content_type=b"application/json"),
                                 extensions={"timeout": self._timeout})
         started = time.perf_counter()
-        response = await _open(self.client, request, self.metrics, self._transport)
+        sent_at = asyncio.get_running_loop().time()
+        first_token_s = self.timeouts.first_token_s
+        try:
+            # Cancelling the send closes its connection (UpstreamTransport), so the engine aborts.
+            async with asyncio.timeout_at(None if first_token_s is None else sent_at + first_token_s):
+                response = await _open(self.client, request, self.metrics, self._transport)
+        except TimeoutError:
+            self.metrics.upstream_errors.labels("first_token_timeout").inc()
+            raise UpstreamTimeout(self.timeouts.message("first_token_timeout")) from None
         meter = SseMeter()
         try:
             result = await relay(response, receive=receive, send=send, meter=meter,
-                                 extra_headers=ctx.response_headers)
+                                 extra_headers=ctx.response_headers, timeouts=self.timeouts, sent_at=sent_at)
         finally:
-            await response.aclose()  # on a disconnect this drops the upstream connection: the engine aborts
+            await response.aclose()  # on a disconnect or timeout this drops the upstream connection: the engine aborts
         if result.started:
             set_response_status(scope, result.status)
         if result.upstream_died:
             self.metrics.upstream_errors.labels("died_mid_stream").inc()
+        if result.timed_out is not None:
+            self.metrics.upstream_errors.labels(result.timed_out).inc()
         if result.disconnected:
             ctx.client_disconnected = True
         if not result.is_sse:
             ctx.output_tokens = _usage_tokens(result.body_tail)
         else:
             ctx.output_tokens = meter.output_tokens
-        if result.status != 200 or result.disconnected or result.upstream_died:
+        if result.status != 200 or result.disconnected or result.upstream_died or result.timed_out is not None:
             return
         times = meter.token_times
         first = times[0] if times else None

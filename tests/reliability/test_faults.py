@@ -104,25 +104,30 @@ async def test_upstream_5xx_and_death_mid_stream_are_clean_errors(record: Record
         assert record(tally)["lost"] == 0
 
 
-async def test_a_first_token_that_never_comes_holds_nothing_else(record: Record) -> None:
-    """The proxy has no first-token timeout (a long prefill may be legitimate): the client's own deadline
-    ends the wait. What must hold: the upstream stream is cancelled when the client leaves, other
-    requests are served meanwhile, and the proxy's in-flight count returns to zero."""
+async def test_a_first_token_that_never_comes_is_ended_by_the_proxy(record: Record) -> None:
+    """The proxy's `slo.firstTokenTimeoutMs` (short here) ends the wait: each stream gets a terminal SSE
+    `first_token_timeout` error (a chat stream's role-only chunk is not a token), the upstream streams are
+    cancelled, other requests are served meanwhile, and the proxy's in-flight count returns to zero.
+    (No response head at all is a 504: tests/proxy/test_upstream_timeouts.py.)"""
     stalled, healthy = FakeEngine(ttft_s=3600), FakeEngine()
+    policy = {"slo": {"firstTokenTimeoutMs": 300}}
     async with serve_loopback(stalled.app()) as stalled_url, serve_loopback(healthy.app()) as healthy_url, \
-            running_proxy({}, stalled_url) as (app, client), running_proxy({}, healthy_url) as (_, other):
+            running_proxy(policy, stalled_url) as (app, client), running_proxy(policy, healthy_url) as (_, other):
         tally = Tally("first_token_never_comes")
-        body = {"prompt": "x", "max_tokens": 4, "stream": True}
-        waiting = [asyncio.create_task(request(client, "/v1/completions", body, deadline_s=1.0)) for _ in range(4)]
-        await stalled.wait_for(lambda f: f.active == 4)
-        served = await request(other, "/v1/completions", body)
+        bodies = [("/v1/completions" if i % 2 else "/v1/chat/completions",
+                   {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True})
+                  for i in range(4)]
+        waiting = [asyncio.create_task(request(client, path, body, deadline_s=30)) for path, body in bodies]
+        served = await request(other, "/v1/completions", bodies[1][1])
         assert served.outcome is Outcome.FULL
         results = await asyncio.gather(*waiting)
-        assert all(r.outcome is Outcome.LOST and "no answer within" in r.detail for r in results)
-        # The client gave up on purpose: count it as a disconnect the proxy must clean up after.
-        tally.add(*(Seen(Outcome.DISCONNECTED, 0, "client deadline") for _ in results), served)
-        await stalled.wait_for(lambda f: f.cancelled == 4 and f.active == 0)
+        assert all(r.outcome is Outcome.CLEAN_ERROR and r.status == 200 and r.error_code == "first_token_timeout"
+                   and "slo.firstTokenTimeoutMs (300 ms)" in r.detail for r in results), results
+        tally.add(*results, served)
+        await stalled.wait_for(lambda f: f.started == 4 and f.cancelled == 4 and f.active == 0)
         await wait_for(lambda: app.state.lifecycle.inflight == 0, timeout=5, what="the proxy to forget them")
+        assert total(scrape((await client.get("/metrics")).text), "decode_proxy:upstream_errors_total",
+                     kind="first_token_timeout") == 4
         assert record(tally)["lost"] == 0
 
 
