@@ -94,12 +94,18 @@ def _at(obj: Any, path: tuple[str, ...]) -> Any:
     return obj
 
 
+def structural_errors(schema: dict[str, Any], obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`obj` with the schema's defaults applied, and what the structural (OpenAPI) schema rejects in it."""
+    defaulted = apply_defaults(schema, obj)
+    validator = jsonschema.Draft4Validator(_jsonschema(schema))
+    return defaulted, [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+                       for e in validator.iter_errors(defaulted)]
+
+
 def validate(obj: dict[str, Any]) -> list[str]:
     """Every error the API server would report for `obj`; empty when it would be accepted."""
     schema = open_api_schema()
-    defaulted = apply_defaults(schema, obj)
-    validator = jsonschema.Draft4Validator(_jsonschema(schema))
-    errors = [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(defaulted)]
+    defaulted, errors = structural_errors(schema, obj)
     if errors:
         return errors  # as on the server, CEL runs only on objects that pass the structural schema
     for path, rule in cel_rules(schema):

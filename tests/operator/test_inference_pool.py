@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import helm_python
-import jsonschema
 import pytest
 import yaml
 from kmock import ResourceInfo
@@ -28,7 +27,7 @@ from decodeservice.operator.manifests import render as render_manifest
 from decodeservice.operator.spec import validate_spec
 from tests.operator.conftest import Cluster, run_operator
 from tests.operator.helpers import CHART, EXAMPLES, example_paths, load
-from tests.operator.schema import _jsonschema, apply_defaults, cel_eval, cel_rules
+from tests.operator.schema import cel_eval, cel_rules, structural_errors
 from tests.operator.test_operator_e2e import DS_PATH, condition, owned_by, smoke
 from tests.support.kube_emulator import DEPLOYMENTS, DS
 
@@ -48,9 +47,7 @@ def upstream_schema() -> dict[str, Any]:
 def pool_errors(pool: dict[str, Any]) -> list[str]:
     """What the API server would reject, from the upstream schema, its CEL rules and the targetPorts rule."""
     schema = upstream_schema()
-    defaulted = apply_defaults(schema, pool)
-    validator = jsonschema.Draft4Validator(_jsonschema(schema))
-    errors = [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(defaulted)]
+    defaulted, errors = structural_errors(schema, pool)
     for path, rule in cel_rules(schema):
         node: Any = defaulted
         for key in path:
