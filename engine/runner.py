@@ -15,6 +15,7 @@ from decodeservice.engine.attention import (
     slot_runs,
 )
 from decodeservice.engine.config import ModelConfig
+from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 
@@ -80,7 +81,7 @@ class ModelRunner:
             logits_index.extend(range(start + count - num_rows, start + count))
             row_counts.append(num_rows)
             context = first + count
-            table = blocks[: -(-context // bs)]
+            table = blocks[: cdiv(context, bs)]
             spans.append(SequenceSpan(
                 token_start=start, num_new=count, context_len=context,
                 runs=slot_runs(table, num_tokens=context, block_size=bs),
