@@ -146,8 +146,14 @@ class FakeEngine:
 
     async def _tokenize(self, request: Request) -> Response:
         body = await request.json()
-        if "messages" in body:
-            text = " ".join(str(m.get("content", "")) for m in body["messages"])
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or ("messages" in body and not (
+                isinstance(messages, list) and all(isinstance(m, dict) for m in messages))):
+            # As the real engine: a malformed request is the client's 400, never a 500 of the server.
+            return JSONResponse({"error": {"message": "malformed tokenize request", "type": "invalid_request_error",
+                                           "param": "messages", "code": "invalid_field"}}, status_code=400)
+        if messages is not None:
+            text = " ".join(str(m.get("content", "")) for m in messages)
         else:
             text = str(body.get("prompt", ""))
         count = len(text.split())  # one token per word keeps the tests' arithmetic obvious
