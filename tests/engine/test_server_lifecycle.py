@@ -81,6 +81,15 @@ def test_not_ready_until_loaded_and_warm(bundled: ModelBundle) -> None:
         assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """End a server subprocess a test started, whatever state the test left it in, and free its pipe."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
 def _read_port(proc: subprocess.Popen[str], timeout: float) -> int:
     """Wait for uvicorn's stop words on stderr; they carry the bound port."""
     assert proc.stderr is not None
@@ -146,8 +155,4 @@ def test_sigterm_drains_then_exits_zero() -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the stream finished, not cut off
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        _reap(proc)

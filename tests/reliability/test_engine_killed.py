@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from tests.engine.test_server_harness import MODEL, wait_until
-from tests.engine.test_server_lifecycle import _read_port
+from tests.engine.test_server_lifecycle import _read_port, _reap
 from tests.proxy.conftest import running_proxy
 from tests.reliability.conftest import wait_for
 from tests.reliability.outcomes import Tally, request
@@ -49,8 +49,4 @@ async def test_engine_sigkilled_mid_stream(record: Callable[[Tally], dict[str, A
             metrics = (await client.get("/metrics")).text
             assert "decode_proxy:upstream_errors_total" in metrics
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        _reap(proc)
