@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from decodeservice.operator.autoscaler.types import ClassMetrics, Histogram, PodSample
-from decodeservice.proxy.metrics import _ITL_BUCKETS, _TTFT_BUCKETS
+from decodeservice.proxy.metrics import ITL_BUCKETS, TTFT_BUCKETS
 
 CLASSES = ("interactive", "batch")
 PROXY_MAX_QUEUE = {"interactive": 64, "batch": 256}  # the proxy's default classes.*.maxQueue
 ITL_PERCENTILE = 0.95  # a request meets the ITL objective when its p95 gap does (the proxy's SloTracker)
-TTFT_BOUNDS = (*_TTFT_BUCKETS, math.inf)
-ITL_BOUNDS = (*_ITL_BUCKETS, math.inf)
+TTFT_BOUNDS = (*TTFT_BUCKETS, math.inf)
+ITL_BOUNDS = (*ITL_BUCKETS, math.inf)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,9 +17,9 @@ from decodeservice.proxy.slo import LatencyModel, RequestOutcome, SloTracker
 PREFIX = "decode_proxy:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -50,13 +50,13 @@ class ProxyMetrics:
         cls = ["class"]
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
                               "Arrival at the proxy to the first token event, per class.", cls,
-                              buckets=_TTFT_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
                              "Gap between consecutive token events of a stream.", cls,
-                             buckets=_ITL_BUCKETS, registry=r)
+                             buckets=ITL_BUCKETS, registry=r)
         self.tpot = Histogram(f"{PREFIX}time_per_output_token_seconds",
                               "(e2e - TTFT) / (output tokens - 1) per request.", cls,
-                              buckets=_ITL_BUCKETS, registry=r)
+                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
                              "Arrival at the proxy to the last byte sent to the client.", cls,
                              buckets=_E2E_BUCKETS, registry=r)

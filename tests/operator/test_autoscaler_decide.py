@@ -17,10 +17,10 @@ from decodeservice.operator.autoscaler.types import (
     PodSample,
     ScaleDecision,
 )
-from decodeservice.proxy.metrics import _ITL_BUCKETS, _TTFT_BUCKETS
+from decodeservice.proxy.metrics import ITL_BUCKETS, TTFT_BUCKETS
 
-TTFT_BOUNDS = (*_TTFT_BUCKETS, math.inf)
-ITL_BOUNDS = (*_ITL_BUCKETS, math.inf)
+TTFT_BOUNDS = (*TTFT_BUCKETS, math.inf)
+ITL_BOUNDS = (*ITL_BUCKETS, math.inf)
 TICK = 5.0
 
 
