@@ -12,7 +12,11 @@ Policies, side by side on the same arrivals:
 2. an HPA-style utilization scaler (per-pod averages of KV usage, target 0.8, and engine waiting requests,
    at a few targets; the HPA's default behavior: 15 s sync, 10% tolerance, up by max(100%, 4 pods) per
    period, 300 s scale-down stabilization, missing metrics at 0 up / at target down);
-3. ours.
+3. ours;
+4. a reference, not a policy one could run: an oracle that knows the trace's true rate at each tick and
+   asks for exactly ceil(rate / one replica's sustainable rate) replicas, with no stabilization. Its pods
+   still take the warm-up, and it keeps no headroom: it shows what reacting alone, even to the exact rate,
+   is worth on a trace (on sudden bursts, little: the warm-up eats most of each burst).
 
     .venv/bin/python -P benchmarks/autoscale_sim.py --out benchmarks/results/autoscale_sim.json
 """
@@ -272,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                 profile=profile, initial=start_n, seed=args.seed)
         ours = Ours(ours_settings(*lim, args.target_inflight, **thresholds))
         runs["ours"] = simulate(trace, ours, profile=profile, initial=start_n, seed=args.seed)
+        runs["oracle (exact rate, no headroom)"] = simulate(
+            trace, lambda o, tr=trace: max(math.ceil(tr.rate(o.at) / r1 - 1e-9), 1), profile=profile,
+            initial=start_n, seed=args.seed)
         fixed_rm = next(iter(runs.values())).replica_minutes
         entry = {name: r.summary() | {"replica_minutes_vs_fixed": round(r.replica_minutes / fixed_rm, 3)}
                  for name, r in runs.items()}

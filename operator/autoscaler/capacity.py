@@ -53,7 +53,9 @@ class RateCapacity:
             est = r * up / min(s, 2 * up)
             self.per_replica = est if known is None else min(known, est)
         elif known is None:
-            return  # below the knee with no breach seen yet: the knee's height is unknown
+            if s >= down:  # in the band: near enough the knee for the projection to be a fair first guess
+                self.per_replica = r * up / s
+            return  # far below the knee with no breach seen yet: its height is unknown
         elif s < down:
             self.per_replica = max(known, r * min(up / max(s, 1e-9), self.max_raise))
         else:

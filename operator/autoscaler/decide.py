@@ -81,6 +81,7 @@ class Autoscaler:
         self._panic_until = -math.inf
         self._fresh_since = -math.inf  # latency before this was measured on fewer ready pods
         self._last_ready = 0
+        self._last_backlog: float | None = None  # the waiting line a tick ago: is it draining?
         self._first_data_at: float | None = None  # no scale-down before one stable window of data
         self._signals: deque[tuple[float, float]] = deque()  # (at, stable s): the floor's memory
         self._capacity = float(settings.target_inflight_per_replica)  # learned knee, see _calibrate
@@ -242,18 +243,30 @@ class Autoscaler:
         self._calibrate(load, scraped)
         cap = self._capacity
         rates = load.rates
+        n_panic = self._rate_capacity.replicas_for(rate=max(rates.rate, rates.rate_panic), backlog=rates.backlog,
+                                                   utilization=st.target_utilization,
+                                                   drain_seconds=st.backlog_drain_seconds)
+        # After a step up in load, the line that piled up while new pods started is served late once they
+        # are ready: p-th TTFT and engine waiting stay high for a while although the ready pods carry the
+        # offered rate. If the line is shrinking and the learned rate says the ready pods carry the rate,
+        # that latency and that waiting are the line's: the line gets its own answer (the drain term of
+        # the rate sizing) and they ask for no more pods on top, nor teach anything about the knee. A
+        # growing line says the pods are short, latency or not.
+        backlog_prev, self._last_backlog = self._last_backlog, rates.backlog
+        n_rate_alone = self._rate_capacity.replicas_for(rate=max(rates.rate, rates.rate_panic), backlog=0.0,
+                                                        utilization=st.target_utilization,
+                                                        drain_seconds=st.backlog_drain_seconds)
+        draining = (n_rate_alone is not None and n_rate_alone <= ready and backlog_prev is not None
+                    and rates.backlog < backlog_prev)
         # While pods are starting the fleet is short on purpose, and in panic (a burst) its latency
         # measures the backlog piling up or draining, not what a replica sustains: nothing is learned then.
         if (rates.recent_span >= 2 * st.interval_seconds and scraped > 0 and current <= ready
-                and self._panic_until <= now):
+                and self._panic_until <= now and not draining):
             self._rate_capacity.observe(rate_per_replica=rates.rate_recent / scraped, signal=load.signal_recent,
                                         up=st.scale_up_threshold, down=st.scale_down_threshold)
         n_rate = self._rate_capacity.replicas_for(rate=rates.rate, backlog=rates.backlog,
                                                   utilization=st.target_utilization,
                                                   drain_seconds=st.backlog_drain_seconds)
-        n_panic = self._rate_capacity.replicas_for(rate=max(rates.rate, rates.rate_panic), backlog=rates.backlog,
-                                                   utilization=st.target_utilization,
-                                                   drain_seconds=st.backlog_drain_seconds)
         # Failed pods, as the HPA treats missing metrics: no load when scaling up, at target when down.
         d_up = load.demand_stable
         d_panic = load.demand_panic
@@ -268,7 +281,7 @@ class Autoscaler:
                                     f"{rate_cap:.2f} req/s per replica at {st.target_utilization:.0%}"))
         elif d_up / cap > current * (1 + st.tolerance):
             ups.append((math.ceil(d_up / cap), f"demand {d_up:.1f} in flight+queued over {cap:.1f} per replica"))
-        if s_rec is not None and s_rec >= st.scale_up_threshold:
+        if s_rec is not None and s_rec >= st.scale_up_threshold and not draining:
             ups.append((max(ready + 1, by_demand),
                         f"SLO signal {s_rec:.2f} ({cls}) >= {st.scale_up_threshold:g}, "
                         f"{cap:.1f} in flight per replica"))
@@ -276,7 +289,7 @@ class Autoscaler:
         if kv is not None and kv > st.kv_usage_threshold:
             ups.append((max(ready + 1, math.ceil(ready * kv / st.kv_usage_threshold)),
                         f"KV cache {kv:.0%} > {st.kv_usage_threshold:.0%}"))
-        if waiting is not None and waiting > st.waiting_threshold:
+        if waiting is not None and waiting > st.waiting_threshold and not draining:
             ups.append((ready + 1, f"engine waiting {waiting:.1f}/pod > {st.waiting_threshold:g}"))
 
         s_panic = load.signal_panic
@@ -291,7 +304,7 @@ class Autoscaler:
         if trigger:
             self._panic_until = now + st.stable_window_seconds
         if self._panic_until > now:
-            by_lat = ready + 1 if (s_panic or 0.0) >= st.scale_up_threshold else 0
+            by_lat = ready + 1 if (s_panic or 0.0) >= st.scale_up_threshold and not draining else 0
             by_load = math.ceil(d_panic / cap) if n_panic is None else n_panic
             ups.append((max(by_load, by_lat),
                         f"panic: short-window demand {d_panic:.1f}, signal {s_panic or 0.0:.2f}"))

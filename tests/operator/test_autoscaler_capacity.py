@@ -16,10 +16,17 @@ def learned(*ticks: tuple[float, float | None]) -> float | None:
     return c.per_replica
 
 
-def test_unknown_until_a_breach_reveals_the_knee() -> None:
-    assert learned((2.0, 0.3), (3.0, 0.6), (1.0, None)) is None  # flat latency says nothing about the knee
+def test_unknown_while_latency_is_flat_far_below_the_knee() -> None:
+    assert learned((2.0, 0.3), (3.0, 0.45), (1.0, None)) is None  # flat latency says nothing about the knee
     c = RateCapacity()
     assert c.replicas_for(rate=10.0, backlog=0.0, utilization=0.85, drain_seconds=60.0) is None
+
+
+def test_a_signal_in_the_band_gives_a_first_guess_before_any_breach() -> None:
+    # Without it, a fleet that grew before a breach was seen (a queue spike, a burst) never learns a rate
+    # and sizes on in-flight demand for good. The projection from the band is at most up / down x r.
+    assert learned((2.0, 0.3), (3.0, 0.6)) == pytest.approx(3.0 * 0.8 / 0.6)
+    assert learned((3.0, 0.6), (3.0, 0.3)) == pytest.approx(4.5)  # then calm raises it by <= 1.5 x r only
 
 
 def test_a_breach_puts_the_knee_at_the_projected_rate_and_at_most_halves_it() -> None:

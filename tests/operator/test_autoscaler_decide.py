@@ -281,8 +281,11 @@ def test_a_breach_reveals_the_rate_per_replica_and_the_fleet_is_sized_on_the_off
     assert f.scaler.rate_capacity is None  # flat latency: the knee is not known yet
     d = f.tick(ttft=1.5, itl=0.09, inflight=8)  # the same rate, now over the up threshold
     cap = f.scaler.rate_capacity
-    assert cap is not None and 2.0 <= cap <= 4.0  # 4 req/s x 0.8 / s, s in [0.8, 1.6]
-    assert d.desired_replicas == max(3, math.ceil(8.0 / (cap * 0.9)))
+    up, util = f.scaler.settings.scale_up_threshold, f.scaler.settings.target_utilization
+    assert cap is not None and 4.0 * up / 2 <= cap <= 4.0  # 4 req/s x up / s, s counted in [up, 2 x up]
+    # Sized on the rate: 8 req/s over the stable window, or (the short window's s is over twice the up
+    # point: panic) the short window's rate, which adds this tick's 4 more in flight: at most 12 req/s.
+    assert math.ceil(8.0 / (cap * util)) <= d.desired_replicas <= math.ceil(12.0 / (cap * util))
 
 
 def test_a_small_fleet_with_a_learned_rate_still_comes_down_when_latency_vouches() -> None:
@@ -299,3 +302,32 @@ def test_a_small_fleet_with_a_learned_rate_still_comes_down_when_latency_vouches
     downs = [d for d in decisions if d.desired_replicas < d.current_replicas]
     assert downs and all("learned rate raised" in d.reason or "fit" in d.reason for d in downs)
     assert reversals(decisions[-40:]) == 0
+
+
+def _after_a_cold_start(per_pod_queue_after: list[float]) -> tuple[Fleet, list[ScaleDecision]]:
+    """A learned rate, six pods sized for the load; the line grew while two of them were starting."""
+    f = Fleet(Autoscaler(base(max_replicas=20)), 2)
+    f.run(20, **HEALTHY, inflight=4)
+    f.tick(ttft=1.5, itl=0.09, inflight=8)  # a breach teaches the rate one pod sustains
+    f.replicas = 6
+    f.run(20, **HEALTHY, inflight=3, requests=9, follow=False)  # 10.8 req/s: six pods' worth
+    slow = {"ttft": 1.5, "itl": 0.09, "inflight": 8.0, "requests": 9, "follow": False}
+    ds = [f.tick(**slow, queue=q, starting=2) for q in (4.0, 8.0, 12.0)]  # type: ignore[arg-type]
+    ds += [f.tick(**slow, queue=q) for q in per_pod_queue_after]  # type: ignore[arg-type]
+    return f, ds
+
+
+def test_latency_of_a_line_being_drained_asks_for_no_pods_and_teaches_nothing() -> None:
+    # Once the two pods are ready, the line (48 requests on four pods) shrinks on six: TTFT stays over the
+    # up point while the old requests are served, but the ready pods carry the rate. A pod ordered now
+    # would start after the line is gone, and the knee did not move.
+    f, ds = _after_a_cold_start([7.0, 5.0, 3.0, 1.0])
+    learned = f.scaler.rate_capacity
+    assert all(d.desired_replicas == 6 for d in ds), [d.reason for d in ds]
+    f2, _ = _after_a_cold_start([])
+    assert learned == f2.scaler.rate_capacity
+
+
+def test_latency_with_a_growing_line_still_scales_up() -> None:
+    _, ds = _after_a_cold_start([15.0, 18.0, 21.0, 24.0])  # the line grows on six ready pods: they are short
+    assert all(d.desired_replicas > 6 for d in ds[3:]), [d.reason for d in ds]
