@@ -116,6 +116,7 @@ class Replica:
         self.running: list[tuple[int, int, Request]] = []  # heap of (finishing step, seq, request)
         self.running_by_class = dict.fromkeys(CLASSES, 0)
         self.slow_steps = dict.fromkeys(CLASSES, 0)  # steps over each class's ITL objective, cumulative
+        self.shed = dict.fromkeys(CLASSES, 0)  # 429s on a full class queue, cumulative (the proxy's counter)
         self.steps = 0
         self.kv_tokens = 0
         self.busy_until: float | None = None  # end of the step in progress
@@ -145,6 +146,7 @@ class Replica:
         """
         if self._proxy_queues()[req.cls] >= PROXY_MAX_QUEUE[req.cls]:
             self.outcomes.total[req.cls] += 1
+            self.shed[req.cls] += 1
             return None
         self.waiting[req.cls].append(req)
         return self._start(now) if self.busy_until is None else None
@@ -205,7 +207,7 @@ class Replica:
         return PodSample(
             pod=self.name, at=now, inflight=float(running + engine_waiting),
             classes={c: ClassMetrics(ttft=self.ttft[c].snapshot(), itl=self.itl[c].snapshot(),
-                                     queue_depth=float(queued[c])) for c in CLASSES},
+                                     queue_depth=float(queued[c]), shed=float(self.shed[c])) for c in CLASSES},
             kv_cache_usage=min(self.kv_tokens / self.profile.kv_capacity_tokens, 1.0),
             engine_waiting=float(engine_waiting), engine_running=float(running))
 

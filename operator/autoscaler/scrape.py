@@ -32,9 +32,11 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_V0 = "vllm:gpu_cache_usage_perc"  # the same gauge in vLLM releases before the rename (0.9.x)
 ENGINE_WAITING = "vllm:num_requests_waiting"
 ENGINE_RUNNING = "vllm:num_requests_running"
+SHED = "decode_proxy:requests_shed_total"
+CAPACITY_SHED_REASONS = frozenset({"slo", "queue_full"})  # a tenant's rate limit is policy, not demand
 
 _USED = frozenset({f"{TTFT}_bucket", f"{ITL}_bucket", f"{TTFT}_count", f"{ITL}_count", QUEUE, INFLIGHT, KV_USAGE,
-                   KV_USAGE_V0, ENGINE_WAITING, ENGINE_RUNNING})
+                   KV_USAGE_V0, ENGINE_WAITING, ENGINE_RUNNING, SHED})
 MAX_CLASSES = 16  # the proxy has two; more is a body we did not write
 MAX_BUCKETS = 64
 
@@ -136,6 +138,7 @@ def parse_metrics(text: str, *, pod: str, at: float) -> PodSample:
     buckets: dict[tuple[str, str], dict[float, float]] = {}  # (family, class) -> le -> count
     totals: dict[tuple[str, str], float] = {}
     queue: dict[str, float] = {}
+    shed: dict[str, float] = {}
     inflight: float | None = None
     engine: dict[str, float] = {}
     try:
@@ -156,6 +159,8 @@ def parse_metrics(text: str, *, pod: str, at: float) -> PodSample:
                 totals[(name.removesuffix("_count"), cls)] = value
             elif name == QUEUE and cls:
                 queue[cls] = queue.get(cls, 0.0) + value
+            elif name == SHED and cls and labels.get("reason") in CAPACITY_SHED_REASONS:
+                shed[cls] = shed.get(cls, 0.0) + value
             elif name == INFLIGHT:
                 inflight = (inflight or 0.0) + value
             elif name in (KV_USAGE, KV_USAGE_V0):
@@ -166,7 +171,7 @@ def parse_metrics(text: str, *, pod: str, at: float) -> PodSample:
         raise ScrapeError(f"no {INFLIGHT} series: not a DecodeService proxy's /metrics")
     if engine.get(KV_USAGE, 0.0) > 1.0:
         raise ScrapeError(f"{KV_USAGE} is {engine[KV_USAGE]!r}, outside [0, 1]")
-    names = {cls for _, cls in buckets} | set(queue)
+    names = {cls for _, cls in buckets} | set(queue) | set(shed)
     names.discard("")
     if len(names) > MAX_CLASSES:
         raise ScrapeError(f"{len(names)} classes (at most {MAX_CLASSES})")
@@ -174,7 +179,8 @@ def parse_metrics(text: str, *, pod: str, at: float) -> PodSample:
     for cls in sorted(names):
         hist = {f: _histogram(f, buckets[(f, cls)], totals.get((f, cls)))
                 for f in (TTFT, ITL) if (f, cls) in buckets}
-        classes[cls] = ClassMetrics(ttft=hist.get(TTFT), itl=hist.get(ITL), queue_depth=queue.get(cls, 0.0))
+        classes[cls] = ClassMetrics(ttft=hist.get(TTFT), itl=hist.get(ITL), queue_depth=queue.get(cls, 0.0),
+                                    shed=shed.get(cls, 0.0))
     return PodSample(pod=pod, at=at, classes=classes, inflight=inflight, kv_cache_usage=engine.get(KV_USAGE),
                      engine_waiting=engine.get(ENGINE_WAITING), engine_running=engine.get(ENGINE_RUNNING))
 

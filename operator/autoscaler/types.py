@@ -27,6 +27,9 @@ class ClassMetrics:
     ttft: Histogram | None  # decode_proxy:time_to_first_token_seconds{class=...}
     itl: Histogram | None  # decode_proxy:inter_token_latency_seconds{class=...}
     queue_depth: float  # decode_proxy:num_requests_waiting{class=...}: queued for an upstream slot
+    # decode_proxy:requests_shed_total{class=..., reason=slo|queue_full}, cumulative: turned away with 429
+    # for want of capacity. Demand all the same; `tenant_rate` sheds are policy, not demand, and not counted.
+    shed: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -271,7 +271,8 @@ def offered_rate(history: FleetHistory, pods: set[str], *, start: float, now: fl
 
     A request leaves the waiting line when its first token is served, so what arrives is what got a first
     token (the TTFT histograms' `_count`, summed over classes) plus the growth of the waiting line
-    (engine waiting + proxy queues). Arrivals are counted per pod over its own samples in the window (a pod
+    (engine waiting + proxy queues) plus what the proxy shed for want of capacity (429 on a full queue or
+    a predicted SLO miss): a fleet that sheds must not read its own shedding as falling demand. Arrivals are counted per pod over its own samples in the window (a pod
     with one sample there, just ready, adds nothing yet) and summed, over the longest span any pod covered. The span is the longest one any pod covered.
     """
     arrived, span = 0.0, 0.0
@@ -288,6 +289,11 @@ def offered_rate(history: FleetHistory, pods: set[str], *, start: float, now: fl
                 a = _pick(prev, cls, "ttft") or Histogram(bounds=b.bounds, counts=(0.0,) * len(b.bounds), total=0.0)
                 inc = _delta(a, b, cur.at - prev.at, history.max_rate)
                 served += inc[-1] if inc is not None else 0.0
+            for cls, m in cur.classes.items():
+                before = prev.classes.get(cls)
+                shed = m.shed - before.shed if before is not None and m.shed >= before.shed else m.shed  # reset
+                if 0.0 <= shed <= history.max_rate * max(cur.at - prev.at, 1.0):
+                    served += shed
         arrived += max(served + waiting(samples[-1]) - waiting(samples[0]), 0.0)
         span = max(span, samples[-1].at - samples[0].at)
     # Arrivals over the fleet's span, not a sum of per-pod rates: a pod that joined late took its share

@@ -74,6 +74,19 @@ def test_engine_series_and_queue_depths() -> None:
     assert ttft is not None and ttft.bounds == (0.1, 1.0, math.inf) and ttft.counts == (3, 9, 10)
 
 
+def test_sheds_for_want_of_capacity_are_counted_per_class_and_a_tenants_rate_limit_is_not() -> None:
+    metrics = ProxyMetrics(Policy())  # the real proxy's counter, as it renders it
+    metrics.shed.labels("interactive", "queue_full").inc(4)
+    metrics.shed.labels("interactive", "slo").inc(2)
+    metrics.shed.labels("interactive", "tenant_rate").inc(50)  # policy, not demand the fleet failed
+    metrics.shed.labels("batch", "tenant_rate").inc(7)
+    sample = parse_metrics(metrics.render().decode(), pod="p", at=0.0)
+    assert sample.classes["interactive"].shed == 6
+    assert "batch" not in sample.classes or sample.classes["batch"].shed == 0
+    with pytest.raises(ScrapeError, match="finite"):
+        parse_metrics(GOOD + 'decode_proxy:requests_shed_total{class="batch",reason="slo"} -1\n', pod="p", at=0.0)
+
+
 @pytest.mark.parametrize(("body", "why"), [
     ("\x00\x01\xff garbage {{{", "unparseable"),
     ("decode_proxy:num_requests_running NaN\n", "finite"),

@@ -176,3 +176,17 @@ def test_offered_rate_survives_a_restart_and_a_draining_queue() -> None:
     assert rate == 0.0  # 5 served - 30 fewer waiting: clamped, never negative
     h.add(queued("a", 20, 45, 0))  # the queue drained: 40 first tokens, none waiting: 40 arrived
     assert offered_rate(h, {"a"}, start=10, now=20)[0] == pytest.approx(4.0)
+
+
+def test_requests_shed_for_capacity_count_as_offered() -> None:
+    # A fleet that sheds at its queue limits must not read its shedding as falling demand.
+    def shedding(at: float, served: float, shed: float) -> PodSample:
+        return PodSample(pod="a", at=at, classes={"interactive": ClassMetrics(
+            ttft=hist(served, served, served, served), itl=None, queue_depth=64.0, shed=shed)},
+            inflight=32.0, kv_cache_usage=0.5, engine_waiting=0.0, engine_running=32.0)
+
+    h = FleetHistory(horizon_seconds=60)
+    for s in (shedding(0, 0, 0), shedding(10, 20, 30), shedding(20, 40, 3)):  # restarted before 20: 3 since
+        assert h.add(s)
+    assert offered_rate(h, {"a"}, start=-1, now=10)[0] == pytest.approx((20 + 30) / 10)
+    assert offered_rate(h, {"a"}, start=-1, now=20)[0] == pytest.approx((40 + 33) / 20)
