@@ -265,7 +265,12 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
                  "ports": [{"name": "http", "port": PROXY_PORT, "targetPort": "http", "protocol": "TCP"}]},
     }
     pdb = None
-    if replicas > 1:
+    # When an autoscaler may run more than one pod, the budget exists from the start: one made only once
+    # the count passed 1 would wait for the next reconcile after a scale-up, leaving the new pods
+    # unprotected from a node drain in between. maxUnavailable 1 leaves a lone pod evictable as before.
+    scaling = v.spec.autoscaling
+    may_scale = scaling.mode is not AutoscalingMode.OFF and scaling.max_replicas > 1
+    if replicas > 1 or may_scale:
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, labels),
                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
     pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=selector_labels(name))

@@ -133,6 +133,11 @@ def test_replicas_pdb_and_autoscaling_bounds() -> None:
     assert render(minimal(replicas=2)).pdb is not None
     scaled = render(minimal(replicas=9, autoscaling={"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}))
     assert scaled.deployment["spec"]["replicas"] == 4
+    # One pod now, but the autoscaler may add more before the next reconcile: the budget is there already.
+    for mode in ("builtin", "external"):
+        one = render(minimal(replicas=1, autoscaling={"mode": mode, "minReplicas": 1, "maxReplicas": 4}))
+        assert one.deployment["spec"]["replicas"] == 1 and one.pdb is not None
+    assert render(minimal(replicas=1, autoscaling={"mode": "builtin", "maxReplicas": 1})).pdb is None
     assert render(minimal(replicas=0)).deployment["spec"]["replicas"] == 0
 
 
