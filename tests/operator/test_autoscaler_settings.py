@@ -41,7 +41,7 @@ def test_unset_knobs_keep_the_decision_sides_defaults() -> None:
 
 
 def test_a_combination_the_settings_refuse_is_an_invalid_spec() -> None:
-    # Each threshold is valid alone; against the other's default (up at 0.8) the band is inverted.
+    # Each threshold is valid alone; against the other's default (up at 0.9) the band is inverted.
     with pytest.raises(InvalidSpecError, match="spec.autoscaling: .*scale_down_threshold"):
         settings_for(validate_spec(spec(scaleDownThreshold=0.9)), default_interval=5.0)
     with pytest.raises(ValueError, match="interval_seconds"):
