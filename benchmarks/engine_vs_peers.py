@@ -9,7 +9,8 @@ that variant's alone. Per variant:
 - single-stream decode tokens/s after the first token, on the summarization prompt (input-grounded:
   n-gram speculation can copy from it) and on a short open-ended chat prompt;
 - for the engine without speculation, the aggregate decode tokens/s of 32 concurrent chat streams;
-- for the default precision (int4), the torch.profiler breakdown of one decode step.
+- for the default precision (int4), the torch.profiler breakdown of one decode step at 1 stream and at
+  32, at 1 and 2 threads (benchmarks/decode_step.py, which also times each projection against rows).
 llama.cpp runs through llama-cpp-python (the optional `bench` extra), skipped with a note when it is
 not importable. Its high-level API decodes one sequence, so its 32-stream figure is not measured here.
 The summary quotes every target of issue 13 as a ratio measured in this one run. Medians over repeats.
@@ -27,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
@@ -98,7 +101,10 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
     if spec is None and args.streams > 1:
         result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched(engine, prompts["chat"], args)
     if name == f"engine_{args.profile}":
-        result["decode_step_profile"] = profile_step(engine, prompts["chat"])
+        from decode_step import profile
+
+        threads = sorted({args.threads, *(int(t) for t in args.profile_threads.split(","))})
+        result["decode_step_profile"] = profile(engine, prompts["chat"], threads=threads, streams=args.streams)
     return result
 
 
@@ -120,30 +126,6 @@ def batched(engine: Any, prompt: str, args: argparse.Namespace) -> float:
         produced += sum(len(o.new_token_ids) for o in outs)
     assert started is not None
     return produced / (time.perf_counter() - started)
-
-
-def profile_step(engine: Any, prompt: str, steps: int = 8) -> dict[str, Any]:
-    """Where one single-stream decode step goes: ops by self CPU time, per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from decodeservice.engine import SamplingParams
-
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-    for _ in range(3):  # prefill and a couple of decode steps first
-        engine.step()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-    wall_ms = (time.perf_counter() - start) * 1000 / steps
-    while engine.has_unfinished_requests():
-        engine.step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    ops = {e.key: {"ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
-                   "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // steps}
-           for e in events[:12]}
-    return {"wall_ms_per_step_profiled": round(wall_ms, 2), "ops_by_self_cpu": ops}
 
 
 # -- peers ------------------------------------------------------------------------------------------
@@ -281,6 +263,7 @@ def main() -> int:
     # and small, since a pool is resident memory that would otherwise swamp the weights in peak RSS.
     parser.add_argument("--kv-cache-gib", type=float, default=0.15)
     parser.add_argument("--profile", default="int4", choices=list(PRECISIONS), help="precision to profile")
+    parser.add_argument("--profile-threads", default="1,2", help="thread counts the step profile runs at")
     parser.add_argument("--variants", default=",".join(ENGINE_VARIANTS + PEERS))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
@@ -301,7 +284,8 @@ def main() -> int:
             cmd = [sys.executable, "-P", __file__, "--variant", variant, "--prompts", str(prompt_file),
                    "--child-out", str(out), "--threads", str(args.threads), "--decode-tokens",
                    str(args.decode_tokens), "--repeats", str(args.repeats), "--streams", str(args.streams),
-                   "--profile", args.profile, "--kv-cache-gib", str(args.kv_cache_gib)]
+                   "--profile", args.profile, "--profile-threads", args.profile_threads,
+                   "--kv-cache-gib", str(args.kv_cache_gib)]
             start = time.perf_counter()
             done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode == 0:
