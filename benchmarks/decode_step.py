@@ -10,6 +10,8 @@
   int4 kernel, int8 (`_weight_int8pack_mm`), bf16 `F.linear` on the dequantized weight, and what
   dequantizing the int4 weight costs (the dense path `Int4Linear` takes at `DENSE_ROWS` rows).
   Weights stay in cache between repeats here, so these are the kernels' compute, not DRAM streaming.
+- `verify_row_cost`: a speculative verify's step time with k drafts against the 1-row step, per row
+  (what `SpeculativeConfig.draft_row_cost` should be), at the first thread count.
 
 engine_vs_peers.py puts `profile` into its output for the profiled precision.
 """
@@ -97,6 +99,42 @@ def profile(engine: Any, prompt: str, *, threads: list[int], streams: int) -> di
     return out
 
 
+def verify_row_cost(engine: Any, prompt: str, *, drafts: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 12
+                    ) -> dict[str, Any]:
+    """What verifying k drafts costs one sequence: the forward + logits of 1 + k rows against 1 row.
+
+    Timed the way the runner runs a verify (one sequence, k draft tokens after its last token), the
+    k = 0 step interleaved with every k so the machine's load hits both alike; min over rounds.
+    `draft_row_cost` in SpeculativeConfig is the cost of one more row as a fraction of the 1-row step."""
+    from decodeservice.engine import SamplingParams
+    from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
+
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    seq = engine._requests[request_id]
+    while not seq.output_token_ids:
+        engine.step()
+    assert engine.kv.allocate_slots(seq, 1 + max(drafts))
+    seq.spec_token_ids = seq.prompt_token_ids[: max(drafts)]  # any tokens: only the cost is measured
+
+    def once(k: int) -> float:
+        plan = SchedulerPlan(scheduled=[ScheduledSequence(seq=seq, num_new_tokens=1 + k, num_spec_tokens=k)])
+        t0 = time.perf_counter()
+        engine.runner.execute(plan)
+        return (time.perf_counter() - t0) * 1000
+
+    samples: dict[int, list[float]] = {k: [] for k in (0, *drafts)}
+    once(0)
+    for _ in range(rounds):
+        for k in drafts:
+            samples[0].append(once(0))
+            samples[k].append(once(k))
+    seq.spec_token_ids = []
+    engine.abort_request(request_id)
+    base = min(samples[0])
+    return {"step_ms_by_drafts": {str(k): round(min(v), 2) for k, v in samples.items()},
+            "row_cost_by_drafts": {str(k): round((min(samples[k]) - base) / (k * base), 3) for k in drafts}}
+
+
 def _time_ms(fn: Callable[[], object], reps: int) -> float:
     fn()
     samples = []
@@ -156,6 +194,7 @@ def main() -> int:
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}])
     report: dict[str, Any] = {"quantization": engine.model.weight_format,
                               "profile": profile(engine, prompt, threads=threads, streams=args.streams)}
+    report["verify_row_cost"] = verify_row_cost(engine, prompt)
     if engine.model.weight_format == "int4":
         report["projection_rows"] = {f"{threads[0]}_threads": projection_rows(engine.model)}
     text = json.dumps(report, indent=2)

@@ -70,13 +70,14 @@ class SpeculativeConfig:
     # position j is drafted only while its expected acceptance beats its cost.
     adaptive: bool = True
     # What verifying one more position costs, as a fraction of a batch-1 decode step. Measured with
-    # benchmarks/spec_decode.py (median_step_ms_by_drafts, 1 thread, input-grounded, k=8): about 0.2 for
-    # the default int4 weights of the bundled model (batch-1 step 45-52 ms, +8 rows 116-121 ms: the int4
-    # kernel's cost grows with rows), about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
+    # benchmarks/decode_step.py (verify_row_cost: 1 row vs 1 + k rows of one sequence, interleaved, min of
+    # 12, 1 thread): 0.26 at k = 8 and 0.27-0.30 at k = 4 for the default int4 weights of the bundled model
+    # (1-row step 15-16.5 ms, +8 rows 47-50 ms: the int4 kernel's cost grows with rows), at 36- and
+    # 203-token contexts; about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
     # at small batch it is far lower. A draft at position j pays when P(accepted) > draft_row_cost x
     # batch size, so the same rule turns speculation down as the batch grows and turns it off for
     # requests whose drafts keep failing. 0 always drafts num_tokens.
-    draft_row_cost: float = 0.2
+    draft_row_cost: float = 0.25
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft", "self_draft"):
