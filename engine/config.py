@@ -133,6 +133,11 @@ class EngineConfig:
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
     # it is given (an engine cannot unpack a model another engine already packed).
     pack_cpu_weights: bool = True
+    # CPU: one-row decode steps (a single stream) through torch.compile, compiled at start-up (a few
+    # seconds; inductor's on-disk cache, TORCHINDUCTOR_CACHE_DIR, makes restarts faster). Needs a C++
+    # compiler at run time. Off by default: ~8% on that step's forward, nothing at larger batches
+    # (engine/compiled_step.py has the figures).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -153,6 +158,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be none, int8, int4 or auto, not {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
+        if self.compile and not self.device.startswith("cpu"):
+            raise ConfigError(f"compile runs on CPU only (where it was measured), not on {self.device}")
         if self.quantization in ("int8", "int4"):
             if not self.device.startswith("cpu"):
                 # torch's CUDA int4 kernel wants another packing; on a GPU the engine runs bf16 weights.
