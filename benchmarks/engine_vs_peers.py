@@ -41,7 +41,8 @@ ARTICLE = (
 )
 PRECISIONS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "auto"),
               "int4": ("int4", "auto")}
-ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")]
+# engine_int4_compiled: EngineConfig(compile=True), single-stream steps through torch.compile.
+ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + ["engine_int4_compiled"]
 PEERS = ["hf_transformers", "llama_cpp"]
 
 
@@ -69,13 +70,13 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
 
     from decodeservice.engine import Engine, SamplingParams
 
-    precision = name.removeprefix("engine_").removesuffix("_spec")
+    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled")
     quantization, dtype = PRECISIONS[precision]
     spec = {"method": "ngram", "num_tokens": 8} if name.endswith("_spec") else None
     start = time.perf_counter()
     engine = Engine.from_pretrained("smollm2-135m", quantization=quantization, dtype=dtype, speculative=spec,
                                     enable_prefix_caching=False, max_num_seqs=64, max_model_len=2048,
-                                    kv_cache_gib=args.kv_cache_gib)
+                                    kv_cache_gib=args.kv_cache_gib, compile=name.endswith("_compiled"))
     result: dict[str, Any] = {"load_s": time.perf_counter() - start, "weights": engine.model.weight_format,
                               "activations": str(engine.dtype).removeprefix("torch."),
                               "torch_threads": torch.get_num_threads()}
@@ -98,7 +99,7 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
     for key in ("summarize", "chat"):
         rates = [two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats)]
         result[f"decode_tokens_per_s_{key}"] = statistics.median(rates)
-    if spec is None and args.streams > 1:
+    if spec is None and args.streams > 1 and not name.endswith("_compiled"):  # compiled: 1-row steps only
         result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched(engine, prompts["chat"], args)
     if name == f"engine_{args.profile}":
         from decode_step import profile
@@ -242,6 +243,8 @@ def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
             get("engine_int4", agg), get("llama_cpp", chat)),
         "int4_peak_rss_vs_fp32 (target <= 0.5)": ratio(get("engine_int4", "peak_rss_mib"),
                                                        get("engine_fp32", "peak_rss_mib")),
+        "int4_compiled_decode_vs_llama_cpp": ratio(get("engine_int4_compiled", chat), get("llama_cpp", chat)),
+        "int4_compiled_decode_vs_int4": ratio(get("engine_int4_compiled", chat), get("engine_int4", chat)),
         "int4_decode_vs_fp32": ratio(get("engine_int4", chat), get("engine_fp32", chat)),
         "int4_decode_vs_hf_transformers": ratio(get("engine_int4", chat), get("hf_transformers", chat)),
     }
