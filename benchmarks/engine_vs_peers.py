@@ -104,6 +104,9 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
     if name == f"engine_{args.profile}":
         from decode_step import profile
 
+        # Peak RSS of serving, before the profiler's event buffers (tens of MB at 32 streams) add to it.
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
         threads = sorted({args.threads, *(int(t) for t in args.profile_threads.split(","))})
         result["decode_step_profile"] = profile(engine, prompts["chat"], threads=threads, streams=args.streams)
     return result
@@ -217,7 +220,7 @@ def run_child(args: argparse.Namespace) -> int:
         result = llama_cpp_variant(prompts, args)
     else:
         result = engine_variant(args.variant, prompts, args)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result.setdefault("peak_rss_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     Path(args.child_out).write_text(json.dumps(result))
     return 0
 
