@@ -9,7 +9,8 @@ that variant's alone. Per variant:
 - single-stream decode tokens/s after the first token, on the summarization prompt (input-grounded:
   n-gram speculation can copy from it) and on a short open-ended chat prompt;
 - for the engine without speculation, the aggregate decode tokens/s of 32 concurrent chat streams;
-- for the default precision (int4), the torch.profiler breakdown of one decode step.
+- for the default precision (int4), the torch.profiler breakdown of one decode step at 1 stream and at
+  32, at 1 and 2 threads (benchmarks/decode_step.py, which also times each projection against rows).
 llama.cpp runs through llama-cpp-python (the optional `bench` extra), skipped with a note when it is
 not importable. Its high-level API decodes one sequence, so its 32-stream figure is not measured here.
 The summary quotes every target of issue 13 as a ratio measured in this one run. Medians over repeats.
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
     "lines, extends the tram to the northern districts, and replaces the oldest diesel buses with electric "
@@ -38,7 +41,8 @@ ARTICLE = (
 )
 PRECISIONS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "auto"),
               "int4": ("int4", "auto")}
-ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")]
+# engine_int4_compiled: EngineConfig(compile=True), single-stream steps through torch.compile.
+ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + ["engine_int4_compiled"]
 PEERS = ["hf_transformers", "llama_cpp"]
 
 
@@ -66,13 +70,13 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
 
     from decodeservice.engine import Engine, SamplingParams
 
-    precision = name.removeprefix("engine_").removesuffix("_spec")
+    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled")
     quantization, dtype = PRECISIONS[precision]
     spec = {"method": "ngram", "num_tokens": 8} if name.endswith("_spec") else None
     start = time.perf_counter()
     engine = Engine.from_pretrained("smollm2-135m", quantization=quantization, dtype=dtype, speculative=spec,
                                     enable_prefix_caching=False, max_num_seqs=64, max_model_len=2048,
-                                    kv_cache_gib=args.kv_cache_gib)
+                                    kv_cache_gib=args.kv_cache_gib, compile=name.endswith("_compiled"))
     result: dict[str, Any] = {"load_s": time.perf_counter() - start, "weights": engine.model.weight_format,
                               "activations": str(engine.dtype).removeprefix("torch."),
                               "torch_threads": torch.get_num_threads()}
@@ -95,10 +99,16 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
     for key in ("summarize", "chat"):
         rates = [two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats)]
         result[f"decode_tokens_per_s_{key}"] = statistics.median(rates)
-    if spec is None and args.streams > 1:
+    if spec is None and args.streams > 1 and not name.endswith("_compiled"):  # compiled: 1-row steps only
         result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched(engine, prompts["chat"], args)
     if name == f"engine_{args.profile}":
-        result["decode_step_profile"] = profile_step(engine, prompts["chat"])
+        from decode_step import profile
+
+        # Peak RSS of serving, before the profiler's event buffers (tens of MB at 32 streams) add to it.
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+        threads = sorted({args.threads, *(int(t) for t in args.profile_threads.split(","))})
+        result["decode_step_profile"] = profile(engine, prompts["chat"], threads=threads, streams=args.streams)
     return result
 
 
@@ -120,30 +130,6 @@ def batched(engine: Any, prompt: str, args: argparse.Namespace) -> float:
         produced += sum(len(o.new_token_ids) for o in outs)
     assert started is not None
     return produced / (time.perf_counter() - started)
-
-
-def profile_step(engine: Any, prompt: str, steps: int = 8) -> dict[str, Any]:
-    """Where one single-stream decode step goes: ops by self CPU time, per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from decodeservice.engine import SamplingParams
-
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-    for _ in range(3):  # prefill and a couple of decode steps first
-        engine.step()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-    wall_ms = (time.perf_counter() - start) * 1000 / steps
-    while engine.has_unfinished_requests():
-        engine.step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    ops = {e.key: {"ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
-                   "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // steps}
-           for e in events[:12]}
-    return {"wall_ms_per_step_profiled": round(wall_ms, 2), "ops_by_self_cpu": ops}
 
 
 # -- peers ------------------------------------------------------------------------------------------
@@ -234,7 +220,7 @@ def run_child(args: argparse.Namespace) -> int:
         result = llama_cpp_variant(prompts, args)
     else:
         result = engine_variant(args.variant, prompts, args)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result.setdefault("peak_rss_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     Path(args.child_out).write_text(json.dumps(result))
     return 0
 
@@ -260,6 +246,8 @@ def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
             get("engine_int4", agg), get("llama_cpp", chat)),
         "int4_peak_rss_vs_fp32 (target <= 0.5)": ratio(get("engine_int4", "peak_rss_mib"),
                                                        get("engine_fp32", "peak_rss_mib")),
+        "int4_compiled_decode_vs_llama_cpp": ratio(get("engine_int4_compiled", chat), get("llama_cpp", chat)),
+        "int4_compiled_decode_vs_int4": ratio(get("engine_int4_compiled", chat), get("engine_int4", chat)),
         "int4_decode_vs_fp32": ratio(get("engine_int4", chat), get("engine_fp32", chat)),
         "int4_decode_vs_hf_transformers": ratio(get("engine_int4", chat), get("hf_transformers", chat)),
     }
@@ -281,6 +269,7 @@ def main() -> int:
     # and small, since a pool is resident memory that would otherwise swamp the weights in peak RSS.
     parser.add_argument("--kv-cache-gib", type=float, default=0.15)
     parser.add_argument("--profile", default="int4", choices=list(PRECISIONS), help="precision to profile")
+    parser.add_argument("--profile-threads", default="1,2", help="thread counts the step profile runs at")
     parser.add_argument("--variants", default=",".join(ENGINE_VARIANTS + PEERS))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
@@ -301,7 +290,8 @@ def main() -> int:
             cmd = [sys.executable, "-P", __file__, "--variant", variant, "--prompts", str(prompt_file),
                    "--child-out", str(out), "--threads", str(args.threads), "--decode-tokens",
                    str(args.decode_tokens), "--repeats", str(args.repeats), "--streams", str(args.streams),
-                   "--profile", args.profile, "--kv-cache-gib", str(args.kv_cache_gib)]
+                   "--profile", args.profile, "--profile-threads", args.profile_threads,
+                   "--kv-cache-gib", str(args.kv_cache_gib)]
             start = time.perf_counter()
             done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode == 0:

@@ -70,13 +70,14 @@ class SpeculativeConfig:
     # position j is drafted only while its expected acceptance beats its cost.
     adaptive: bool = True
     # What verifying one more position costs, as a fraction of a batch-1 decode step. Measured with
-    # benchmarks/spec_decode.py (median_step_ms_by_drafts, 1 thread, input-grounded, k=8): about 0.2 for
-    # the default int4 weights of the bundled model (batch-1 step 45-52 ms, +8 rows 116-121 ms: the int4
-    # kernel's cost grows with rows), about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
+    # benchmarks/decode_step.py (verify_row_cost: 1 row vs 1 + k rows of one sequence, interleaved, min of
+    # 12, 1 thread): 0.26 at k = 8 and 0.27-0.30 at k = 4 for the default int4 weights of the bundled model
+    # (1-row step 15-16.5 ms, +8 rows 47-50 ms: the int4 kernel's cost grows with rows), at 36- and
+    # 203-token contexts; about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
     # at small batch it is far lower. A draft at position j pays when P(accepted) > draft_row_cost x
     # batch size, so the same rule turns speculation down as the batch grows and turns it off for
     # requests whose drafts keep failing. 0 always drafts num_tokens.
-    draft_row_cost: float = 0.2
+    draft_row_cost: float = 0.25
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft", "self_draft"):
@@ -132,6 +133,11 @@ class EngineConfig:
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
     # it is given (an engine cannot unpack a model another engine already packed).
     pack_cpu_weights: bool = True
+    # CPU: one-row decode steps (a single stream) through torch.compile, compiled at start-up (a few
+    # seconds; inductor's on-disk cache, TORCHINDUCTOR_CACHE_DIR, makes restarts faster). Needs a C++
+    # compiler at run time. Off by default: ~8% on that step's forward, nothing at larger batches
+    # (engine/compiled_step.py has the figures).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -152,6 +158,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be none, int8, int4 or auto, not {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
+        if self.compile and not self.device.startswith("cpu"):
+            raise ConfigError(f"compile runs on CPU only (where it was measured), not on {self.device}")
         if self.quantization in ("int8", "int4"):
             if not self.device.startswith("cpu"):
                 # torch's CUDA int4 kernel wants another packing; on a GPU the engine runs bf16 weights.

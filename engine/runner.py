@@ -14,10 +14,13 @@ from decodeservice.engine.attention import (
     backend_for,
     slot_runs,
 )
+from decodeservice.engine.compiled_step import CompiledDecodeStep
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
+from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
+from decodeservice.engine.sequence import Sequence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +39,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, nu
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, num_layers: int | None = None,
-                 attention_backend: AttentionBackend | None = None) -> None:
+                 attention_backend: AttentionBackend | None = None, compile_step: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -49,10 +52,16 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(self.num_layers)
         ]
+        # One-row steps through torch.compile (see compiled_step.py); compiled here, not on the first request.
+        self.compiled: CompiledDecodeStep | None = None
+        if compile_step:
+            self.compiled = CompiledDecodeStep(model)
+            self._warm_up()
 
     def execute(self, plan: SchedulerPlan) -> StepLogits:
         batch, row_counts = self.build_batch(plan.scheduled)
-        hidden = self.model.forward(batch, self.kv_caches, num_layers=self.num_layers)
+        forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
+        hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
         logits = self.model.compute_logits(hidden)
         rows: list[torch.Tensor | None] = []
         start = 0
@@ -60,6 +69,13 @@ class ModelRunner:
             rows.append(logits[start : start + count] if count else None)
             start += count
         return StepLogits(rows=rows)
+
+    def _warm_up(self) -> None:
+        """Run one one-row step, so that compiling happens at start-up. It writes one token's K/V into
+        block 0, which is free: whoever gets it writes its own K/V before attention reads any."""
+        seq = Sequence(request_id="warm-up", prompt_token_ids=[0], params=SamplingParams(max_tokens=1),
+                       block_ids=[0])
+        self.execute(SchedulerPlan(scheduled=[ScheduledSequence(seq=seq, num_new_tokens=1, num_spec_tokens=0)]))
 
     def build_batch(self, scheduled: list[ScheduledSequence]) -> tuple[ForwardBatch, list[int]]:
         input_ids: list[int] = []

@@ -70,6 +70,17 @@ def quantize_int4(weight: torch.Tensor, *, group_size: int = 32) -> Int4Weight:
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    parts = [_quantize_rows(weight[i : i + QUANTIZE_ROWS], group_size) for i in range(0, n, QUANTIZE_ROWS)]
+    return parts[0] if len(parts) == 1 else Int4Weight.cat(parts)
+
+
+# Rows quantized at a time: the float temporaries stay a few MB instead of a copy of the whole matrix
+# (the 49k-row embedding/head: 113 MB of fp32 that would add to the load's peak RSS).
+QUANTIZE_ROWS = 4096
+
+
+def _quantize_rows(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    n, k = weight.shape
     groups = weight.detach().float().reshape(n, k // group_size, group_size)
     low, high = groups.amin(-1), groups.amax(-1)
     scale = ((high - low) / 15).clamp_min(1e-10)  # a constant group gets codes 0 and its value as offset

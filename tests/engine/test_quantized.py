@@ -23,7 +23,7 @@ from decodeservice.engine.quant import (
     quantize_int4,
     quantize_int8,
 )
-from decodeservice.engine.quant.int4 import pack_nibbles, unpack_nibbles
+from decodeservice.engine.quant.int4 import QUANTIZE_ROWS, pack_nibbles, unpack_nibbles
 from decodeservice.engine.quant.linear import DENSE_ROWS
 from tests.conftest import ModelBundle
 from tests.engine.test_loader import write_tiny_gguf
@@ -42,6 +42,16 @@ def weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 
 # -- kernels and formats on tiny random weights ----------------------------------------------------
+
+
+def test_tall_matrices_quantize_in_chunks_like_whole() -> None:
+    """quantize_int4 works QUANTIZE_ROWS rows at a time (peak memory); the result is the whole matrix's."""
+    weight = torch.randn(QUANTIZE_ROWS + 37, 64, generator=torch.Generator().manual_seed(0))
+    int4 = quantize_int4(weight)
+    assert int4.shape == (QUANTIZE_ROWS + 37, 64) and int4.scale.shape == (QUANTIZE_ROWS + 37, 2)
+    # Every group within half a step of its values, the last chunk's rows included.
+    err = (int4.dequantize() - weight).abs().view(-1, 2, 32).amax(-1)
+    assert bool((err <= int4.scale / 2 + 1e-6).all())
 
 
 def test_nibbles_round_trip() -> None:

@@ -69,7 +69,7 @@ def make_engine(target: LlamaModel, tokenizer: Tokenizer, spec: dict[str, Any] |
     config.setdefault("num_gpu_blocks_override", 96)
     if spec is not None:
         # These fp32 models' step costs: the k and pause expectations below are written for 0.04 (the
-        # engine's default, 0.2, is the int4 kernels' measured cost).
+        # engine's default, 0.25, is the int4 kernels' measured cost).
         spec = {"draft_row_cost": 0.04, **spec}
     return Engine(model=target, tokenizer=tokenizer, draft=draft,
                   config=EngineConfig(speculative=SpeculativeConfig.parse(spec), **config))
