@@ -52,6 +52,9 @@ def register(subparsers: Any) -> None:
                              "CPU); int8 and int4 run on CPU")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="CPU: run one-row decode steps through torch.compile, compiled at start-up (needs a "
+                             "C++ compiler; about 8%% faster single-stream decode, measured for int4)")
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--speculative-method", choices=["none", "ngram", "draft", "self_draft"], default="none")
     group.add_argument("--num-speculative-tokens", type=int, default=spec("num_tokens"),
@@ -78,7 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
         "quantization": args.quantization, "enable_prefix_caching": not args.no_prefix_caching,
-        "num_threads": args.num_threads,
+        "num_threads": args.num_threads, "compile": args.compile,
     }
     if args.speculative_method != "none":
         spec: dict[str, Any] = {"method": args.speculative_method, "num_tokens": args.num_speculative_tokens,
