@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from decodeservice.engine.attention import decode_matmul
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
-from decodeservice.engine.attention.short_group import build_short_group
+from decodeservice.engine.attention.short_group import MAX_CONTEXT, build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Beyond this many runs of slots a sequence's cached keys are gathered into one piece (see below).
@@ -114,8 +114,12 @@ class PagedViewsBackend:
         self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
+        # below short_group.MAX_CONTEXT, as tests do).
+        gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
+        max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         group = build_short_group(meta.spans, block_size=meta.block_size, device=meta.slot_mapping.device,
-                                  dtype=dtype)
+                                  dtype=dtype, max_context=max_context)
         return dataclasses.replace(meta, short_group=group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
