@@ -8,6 +8,8 @@ out = sum_i exp(lse_i - m) * out_i / sum_i exp(lse_i - m), m = max_i lse_i.
 So no (T, L) mask is built and no block is gathered. Grouped-query attention needs no expanded K/V
 for (a): the G query heads sharing a K/V head are folded into the query length, as every one of them
 sees every prefix key. Measured against today's gather + masked SDPA in benchmarks/long_context.py.
+In bf16/fp16 a decode or verify over at least decode_matmul.MIN_CONTEXT keys skips the flash kernel
+for two GEMMs over the same views (decode_matmul.py: the kernel is slow for so few query rows).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
 
 class PagedViewsBackend:
     """The CPU backend. Sequences are read in place one by one, except that short ones share one
-    padded call (short_group.py: the copy is cheaper there than a call per sequence)."""
+    padded call (short_group.py: the copy is cheaper there than a call per sequence) and that long
+    bf16/fp16 decodes and verifies go through decode_matmul.py from `matmul_from` keys."""
 
     name = "paged_views"
 
