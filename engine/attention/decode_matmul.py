@@ -13,10 +13,12 @@ the query length), it is far from the memory bound in reduced precision. One lay
 (9 heads, 3 K/V heads, D 64), bf16, 1 thread, 30 layers' pools read in turn (cold caches), the context
 growing by one key per call as in decoding, CPU microseconds per layer, three repeats: flash 212-277 /
 302-350 / 646-741 / 1,180-1,245 at L = 512 / 1k / 2k / 4k; these two GEMMs 188-261 / 250-283 / 408-538
-/ 656-680 (reading the 3 MB of K/V alone takes ~110 us at 4k). In the engine (int4, one 4k decode,
-backends alternated step by step) a step took 52.8 vs 62.4 ms (best) and 59.1 vs 72.5 (median); at 1k
-the two were within noise. So the GEMMs take over from `MIN_CONTEXT` keys, in reduced precision only:
-fp32 GEMMs of this shape were slower than the flash kernel. benchmarks/long_context.py repeats the A/B.
+/ 656-680 (reading the 3 MB of K/V alone takes ~110 us at 4k). In the engine (int4, one decode,
+backends alternated step by step, 8-12 rounds of 4 steps, CPU ms per step, best / median): 27.1 / 29.8
+flash vs 29.1 / 32.2 GEMMs at 1k, 32.3 / 44.5 vs 31.4 / 38.4 at 1.5k, 40.9 / 51.8 vs 35.9 / 42.2 at 2k,
+62.4 / 72.5 vs 52.8 / 59.1 at 4k. So the GEMMs take over from `MIN_CONTEXT` keys, in reduced precision
+only: fp32 GEMMs of this shape were slower than the flash kernel. benchmarks/long_context.py repeats
+the A/B.
 
 Precision: the scores leave the bf16 GEMM rounded to bf16 (the kernel accumulates in fp32), as SDPA's
 math path does; the softmax runs in fp32 and the probabilities are rounded to bf16 for the second
@@ -31,7 +33,7 @@ import torch
 
 from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
 
-MIN_CONTEXT = 1024  # keys; below this the flash kernel was as fast or faster
+MIN_CONTEXT = 1536  # keys; below this the flash kernel was as fast or faster in the engine
 MAX_QUERY = 16  # query tokens (a decode is 1, a verify 1 + drafts): the GEMMs grow with H * Q rows
 DTYPES = (torch.bfloat16, torch.float16)
 
