@@ -12,7 +12,9 @@ For each context N: a document of N tokens, then a question of about 10 tokens.
 - the engine's decode tokens/s again over the same context with the gather backend (the per-step copy
   of the whole cache that the paged-views backend replaced) and with the paged-views backend on the
   flash kernel only (before decode_matmul.py), so the mechanisms meet in one run.
-The reference for the decode target is the same engine decoding after an 8-token prompt. Then one
+The reference for the decode target is the same engine decoding after an 8-token prompt (best of
+two); decode ratios take the best of the default backend's three measurements at a context (miss,
+hit, hit again) and of llama.cpp's two (miss, hit), which run right after the engine's at that context. Then one
 layer's attention call at the bundled model's shapes for every mechanism tried (decode over L keys,
 a 512-token chunk over L cached keys; best of --repeats, microseconds); with --flex, torch
 flex_attention compiled for CPU too (its compile takes minutes). llama.cpp (optional extra `bench`) runs the GGUF as it is stored
@@ -189,12 +191,22 @@ def main() -> int:
         "note": "one run on a machine shared with other jobs; the engine's attention backend: "
                 + engine.runner.attention_backend.name,
         "load_average_1min_at_start": os.getloadavg()[0],  # above the thread count: figures are contended
-        "engine_short_context_decode_tokens_per_s": engine_clocks(
-            engine, questions[0][:8], args.decode_tokens)["decode_tokens_per_s"],
+        "engine_short_context_decode_tokens_per_s": max(
+            engine_clocks(engine, questions[0][:8], args.decode_tokens)["decode_tokens_per_s"] for _ in range(2)),
         "contexts": {},
     }
+    llm = load_llama(args, contexts, questions)
+    if isinstance(llm, str):
+        result["llama_cpp"] = llm
+    else:
+        result["llama_cpp"] = {"weights": "Q4_1 (the GGUF as stored)", "short_context_decode_tokens_per_s": max(
+            llama_clocks(llm, questions[0][:8], args.decode_tokens, reset=True)["decode_tokens_per_s"]
+            for _ in range(2))}
     gather, views = GatherBackend(), engine.runner.attention_backend
     flash_only = PagedViewsBackend(matmul_from=None)
+    # Engine and llama.cpp take turns per context, so a change in the machine's load between them
+    # weighs on both; decode ratios use the best of each side's measurements at that context
+    # (interference only ever slows a measurement down).
     for n in contexts:
         doc = documents[n]
         entry: dict[str, Any] = {"question_tokens": [len(q) for q in questions]}
@@ -206,44 +218,27 @@ def main() -> int:
         flash = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         engine.runner.attention_backend = views
         again = engine_clocks(engine, doc + questions[1], args.decode_tokens)
+        best = max(m["decode_tokens_per_s"] for m in (miss, hit, again))
         entry["engine"] = {
             "miss": miss, "hit": hit, "hit_speedup": miss["ttft_s"] / hit["ttft_s"],
             "prefill_tokens_per_s": (n + len(questions[0])) / miss["ttft_s"],
             "decode_tokens_per_s_gather_backend": copied["decode_tokens_per_s"],
             # The A/B of decode_matmul.py: the same hit request on the flash kernel only, then again on
-            # the default backend (the second measurement of the default, right after the first).
+            # the default backend (the third measurement of the default at this context).
             "decode_tokens_per_s_flash_only": flash["decode_tokens_per_s"],
             "decode_tokens_per_s_views_again": again["decode_tokens_per_s"],
-            "decode_vs_short_context": miss["decode_tokens_per_s"] / result["engine_short_context_decode_tokens_per_s"],
+            "decode_tokens_per_s_best": best,
+            "decode_vs_short_context": best / result["engine_short_context_decode_tokens_per_s"],
         }
+        if not isinstance(llm, str):
+            l_miss = llama_clocks(llm, doc + questions[0], args.decode_tokens, reset=True)
+            l_hit = llama_clocks(llm, doc + questions[1], args.decode_tokens, reset=False)
+            entry["llama_cpp"] = {"miss": l_miss, "hit": l_hit, "hit_speedup": l_miss["ttft_s"] / l_hit["ttft_s"],
+                                  "prefill_tokens_per_s": (n + len(questions[0])) / l_miss["ttft_s"]}
+            entry["engine_decode_vs_llama_cpp"] = best / max(l_miss["decode_tokens_per_s"], l_hit["decode_tokens_per_s"])
+            entry["engine_decode_vs_llama_cpp_miss_vs_miss"] = (miss["decode_tokens_per_s"]
+                                                                / l_miss["decode_tokens_per_s"])
         result["contexts"][str(n)] = entry
-
-    if args.skip_llama:
-        result["llama_cpp"] = "skipped (--skip-llama)"
-    else:
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            result["llama_cpp"] = "skipped: llama-cpp-python is not installed (pip install '.[peers]')"
-        else:
-            from decodeservice.engine.loader import ensure_model
-
-            llm = Llama(model_path=str(ensure_model("smollm2-135m", progress=False)), n_threads=args.threads,
-                        n_threads_batch=args.threads, n_ctx=max(contexts) + 2 * args.decode_tokens + 64,
-                        n_batch=512, verbose=False)
-            llama_clocks(llm, questions[0], 4, reset=True)  # warm-up
-            result["llama_cpp"] = {"weights": "Q4_1 (the GGUF as stored)", "short_context_decode_tokens_per_s":
-                                   llama_clocks(llm, questions[0][:8], args.decode_tokens, reset=True)[
-                                       "decode_tokens_per_s"]}
-            for n in contexts:
-                doc = documents[n]
-                miss = llama_clocks(llm, doc + questions[0], args.decode_tokens, reset=True)
-                hit = llama_clocks(llm, doc + questions[1], args.decode_tokens, reset=False)
-                entry = result["contexts"][str(n)]
-                entry["llama_cpp"] = {"miss": miss, "hit": hit, "hit_speedup": miss["ttft_s"] / hit["ttft_s"],
-                                      "prefill_tokens_per_s": (n + len(questions[0])) / miss["ttft_s"]}
-                entry["engine_decode_vs_llama_cpp"] = (entry["engine"]["miss"]["decode_tokens_per_s"]
-                                                       / miss["decode_tokens_per_s"])
 
     result["attention_per_layer_call"] = attention_options(contexts, args.repeats, engine.dtype)
     if args.flex:
@@ -255,6 +250,23 @@ def main() -> int:
     if args.out:
         args.out.write_text(text + "\n")
     return 0
+
+
+def load_llama(args: argparse.Namespace, contexts: list[int], questions: list[list[int]]) -> Any:
+    """llama.cpp on the bundled GGUF, warmed up, or why not (a string)."""
+    if args.skip_llama:
+        return "skipped (--skip-llama)"
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return "skipped: llama-cpp-python is not installed (pip install '.[peers]')"
+    from decodeservice.engine.loader import ensure_model
+
+    llm = Llama(model_path=str(ensure_model("smollm2-135m", progress=False)), n_threads=args.threads,
+                n_threads_batch=args.threads, n_ctx=max(contexts) + 2 * args.decode_tokens + 64,
+                n_batch=512, verbose=False)
+    llama_clocks(llm, questions[0], 4, reset=True)  # warm-up
+    return llm
 
 
 def targets(result: dict[str, Any], contexts: list[int]) -> dict[str, Any]:
