@@ -196,7 +196,7 @@ def test_bf16_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
         return rows
 
-    # A prompt chunk, then chunks of up to 16 tokens over the cached prefix (decode_matmul takes those).
+    # A prompt chunk, then the rest of each prompt over its cached prefix (the flash kernel and merge).
     run([ScheduledSequence(seq=s, num_new_tokens=9, num_spec_tokens=0) for s in seqs])
     rest = [len(s.prompt_token_ids) - 9 - (0 if i == 1 else 1) for i, s in enumerate(seqs)]
     chunk_rows = run([ScheduledSequence(seq=s, num_new_tokens=n, num_spec_tokens=0) for s, n in zip(seqs, rest, strict=True)])

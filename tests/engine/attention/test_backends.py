@@ -107,8 +107,8 @@ def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "per_sequence"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_gemm_decode_equals_dense_reference(dtype: torch.dtype, planned: bool) -> None:
-    # decode_matmul.py from any context length: every span of at most 16 new tokens (decodes, verifies
-    # with unequal drafts, short prompt chunks over a cached prefix, over one run, a few runs and a
+    # decode_matmul.py from any context length: every span of at most decode_matmul.MAX_QUERY new tokens (decodes,
+    # verifies with unequal drafts, short prompt chunks over a cached prefix, over one run, a few runs and a
     # scattered table) goes through the two GEMMs in bf16/fp16; fp32 stays on the flash kernel. Its
     # error may exceed the flash kernel's by the one extra rounding of the scores, no more.
     backend = PagedViewsBackend(matmul_from=1)
