@@ -8,6 +8,8 @@ out = sum_i exp(lse_i - m) * out_i / sum_i exp(lse_i - m), m = max_i lse_i.
 So no (T, L) mask is built and no block is gathered. Grouped-query attention needs no expanded K/V
 for (a): the G query heads sharing a K/V head are folded into the query length, as every one of them
 sees every prefix key. Measured against today's gather + masked SDPA in benchmarks/long_context.py.
+In bf16/fp16 a decode or verify over at least decode_matmul.MIN_CONTEXT keys skips the flash kernel
+for two GEMMs over the same views (decode_matmul.py: the kernel is slow for so few query rows).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from decodeservice.engine.attention import decode_matmul
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
-from decodeservice.engine.attention.short_group import build_short_group
+from decodeservice.engine.attention.short_group import MAX_CONTEXT, build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Beyond this many runs of slots a sequence's cached keys are gathered into one piece (see below).
@@ -49,9 +52,15 @@ def _prefix_pieces(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, 
     tables in few runs, so this is the exception."""
     if len(runs) <= MAX_RUNS:
         return [_prefix_piece(q, k_flat, v_flat, run) for run in runs]
+    keys, values, whole = _gathered(k_flat, v_flat, runs)
+    return [_prefix_piece(q, keys, values, whole)]
+
+
+def _gathered(k_flat: torch.Tensor, v_flat: torch.Tensor, runs: list[SlotRun]
+              ) -> tuple[torch.Tensor, torch.Tensor, SlotRun]:
+    """The keys and values of `runs` copied into one run (for a table scattered over many)."""
     slots = torch.cat([torch.arange(r.first_slot, r.first_slot + r.length, device=k_flat.device) for r in runs])
-    whole = SlotRun(first_slot=0, length=slots.shape[0])
-    return [_prefix_piece(q, k_flat.index_select(0, slots), v_flat.index_select(0, slots), whole)]
+    return k_flat.index_select(0, slots), v_flat.index_select(0, slots), SlotRun(first_slot=0, length=slots.shape[0])
 
 
 def _fresh_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +81,17 @@ def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) 
 
 
 def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                span: SequenceSpan) -> torch.Tensor:
-    """One sequence's new tokens: q (Q, H, D), fresh k/v (Q, Hkv, D) -> (Q, H, D)."""
+                span: SequenceSpan, *, block_size: int, matmul_from: int | None = decode_matmul.MIN_CONTEXT) -> torch.Tensor:
+    """One sequence's new tokens: q (Q, H, D), fresh k/v (Q, Hkv, D) -> (Q, H, D).
+
+    `matmul_from`: the context length from which a decode or verify goes through decode_matmul.py
+    (reduced precision only); None keeps every span on the flash kernel."""
+    if matmul_from is not None and decode_matmul.applies(span, q.dtype, min_context=matmul_from):
+        runs = list(span.runs)
+        if len(runs) > MAX_RUNS:
+            keys, values, whole = _gathered(k_flat, v_flat, runs)
+            return decode_matmul.attend_matmul(q, keys, values, [whole], block_size=1)
+        return decode_matmul.attend_matmul(q, k_flat, v_flat, runs, block_size=block_size)
     if span.num_new == 1:
         # A single query sees every key, its own included (already written): the pool alone will do.
         pieces = _prefix_pieces(q, k_flat, v_flat, list(span.runs))
@@ -90,13 +108,21 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
 
 class PagedViewsBackend:
     """The CPU backend. Sequences are read in place one by one, except that short ones share one
-    padded call (short_group.py: the copy is cheaper there than a call per sequence)."""
+    padded call (short_group.py: the copy is cheaper there than a call per sequence) and that long
+    bf16/fp16 decodes and verifies go through decode_matmul.py from `matmul_from` keys."""
 
     name = "paged_views"
 
+    def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT) -> None:
+        self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
+
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+        # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
+        # below short_group.MAX_CONTEXT, as tests do).
+        gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
+        max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         group = build_short_group(meta.spans, block_size=meta.block_size, device=meta.slot_mapping.device,
-                                  dtype=dtype)
+                                  dtype=dtype, max_context=max_context)
         return dataclasses.replace(meta, short_group=group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -104,7 +130,8 @@ class PagedViewsBackend:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])  # (num_slots, Hkv, D)
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         if len(meta.spans) == 1:
-            return attend_span(q, k, v, k_flat, v_flat, meta.spans[0])
+            return attend_span(q, k, v, k_flat, v_flat, meta.spans[0], block_size=meta.block_size,
+                               matmul_from=self.matmul_from)
         group = meta.short_group
         out = torch.empty_like(q)  # (N, H, D)
         if group is not None:
@@ -119,5 +146,6 @@ class PagedViewsBackend:
             if group is not None and i in group.span_indices:
                 continue
             s, e = span.token_start, span.token_start + span.num_new
-            out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span)
+            out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span, block_size=meta.block_size,
+                                     matmul_from=self.matmul_from)
         return out

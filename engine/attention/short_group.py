@@ -46,9 +46,9 @@ class ShortGroup:
 
 
 def build_short_group(spans: Seq[SequenceSpan], *, block_size: int, device: torch.device,
-                      dtype: torch.dtype) -> ShortGroup | None:
+                      dtype: torch.dtype, max_context: int = MAX_CONTEXT) -> ShortGroup | None:
     """The group of the step's short sequences, or None when fewer than two qualify."""
-    chosen = [i for i, s in enumerate(spans) if s.num_new <= MAX_QUERY and s.context_len <= MAX_CONTEXT]
+    chosen = [i for i, s in enumerate(spans) if s.num_new <= MAX_QUERY and s.context_len <= max_context]
     if len(chosen) < 2:
         return None
     members = [spans[i] for i in chosen]

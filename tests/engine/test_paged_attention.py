@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import pytest
 import torch
 
 from decodeservice.engine import SamplingParams
-from decodeservice.engine.attention import slot_runs
+from decodeservice.engine.attention import decode_matmul, slot_runs
+from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from decodeservice.engine.runner import ModelRunner
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
@@ -125,3 +128,121 @@ def test_bundled_shared_prefix_follow_up_hits_and_matches(bundled: ModelBundle) 
                           enable_prefix_caching=False).generate(follow_up, greedy)[0]
     assert cold.metrics.num_cached_tokens == 0
     assert hit.token_ids == cold.token_ids
+
+
+# -- bf16, as the quantized engine runs attention ---------------------------------------------------
+# bf16 keeps 8 significant bits, so paged and dense bf16 differ by rounding (summation order, where
+# scores and probabilities are rounded). The tolerance is calibrated on the model itself: the dense
+# bf16 recompute's distance from the fp32 recompute of the same weights (`noise`) is what bf16 costs
+# over the whole network. The paged path changes only how attention is summed, and decode_matmul.py
+# rounds the scores to bf16 once where the flash kernel keeps them fp32; this tiny random model has
+# scores in the hundreds, where that rounding weighs most (measured: a 6-row verify over 275 keys, GEMM
+# path 0.18 from dense bf16, flash kernel 0.063, noise 0.12). So the budget is twice the noise. On the
+# bundled model (int4, 1.5k-token prompt, 24 greedy tokens) GEMM vs flash decode differed by at most
+# 0.082 in a chosen token's logprob (mean 0.013), gather vs flash by 0.058 (mean 0.010), tokens equal.
+# A wrong mask, a missing key or a misplaced head moves logprobs by whole units.
+BF16_BUDGET = 2.0
+
+
+@pytest.fixture(scope="module")
+def bf16_twins(tiny_factory: Callable[..., ModelBundle]) -> tuple[ModelBundle, ModelBundle]:
+    """The same random weights in fp32 (the reference) and in bf16 (activations and KV cache)."""
+    reference, bf16 = tiny_factory(seed=5), tiny_factory(seed=5)
+    bf16.model.to(torch.bfloat16)
+    assert bf16.model.activation_dtype == torch.bfloat16
+    return reference, bf16
+
+
+def assert_within_bf16_noise(reference: ModelBundle, bf16: ModelBundle, tokens: list[int], first: int,
+                             rows: torch.Tensor) -> None:
+    """rows (r, V): the paged bf16 logits of positions first .. first + r - 1 of `tokens`, compared on
+    each row's most likely token (the far tail of a vocabulary moves most under rounding and says least)."""
+    exact = dense_logprobs(reference, tokens)[first : first + rows.shape[0]]
+    dense = dense_logprobs(bf16, tokens)[first : first + rows.shape[0]]
+    top = exact.argmax(dim=-1, keepdim=True)
+    paged = torch.log_softmax(rows.float(), dim=-1).gather(1, top)
+    noise = float((dense.gather(1, top) - exact.gather(1, top)).abs().max())
+    error = float((paged - dense.gather(1, top)).abs().max())
+    assert noise > 0, "the twins should differ by bf16 rounding"
+    assert error <= BF16_BUDGET * noise, f"paged bf16 is {error:.4f} from dense bf16, which is {noise:.4f} from fp32"
+
+
+@pytest.mark.parametrize("matmul_from", [1, None], ids=["gemm_decode", "flash_only"])
+def test_bf16_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(
+        bf16_twins: tuple[ModelBundle, ModelBundle], matmul_from: int | None) -> None:
+    # As test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts, in bf16, with decode and
+    # verify spans on decode_matmul.py (from any context length) and, for the A/B, on the flash kernel.
+    reference, bf16 = bf16_twins
+    backend = PagedViewsBackend(matmul_from=matmul_from)
+    runner = ModelRunner(bf16.model, num_blocks=200, block_size=4, device=torch.device("cpu"),
+                         dtype=torch.bfloat16, attention_backend=backend)
+    for k_cache, v_cache in runner.kv_caches:  # stale, finite values where no sequence wrote: never read
+        k_cache.normal_(0, 30)
+        v_cache.normal_(0, 30)
+    pool = torch.randperm(200, generator=torch.Generator().manual_seed(4)).tolist()
+    # Contexts past short_group.MAX_CONTEXT, so that the flash-only backend reads them in place too.
+    prompts = [list(range(100, 400)), list(range(500, 519)), list(range(900, 1170))]
+    drafts = [[7, 8, 9], [], [11, 12, 13, 14, 15]]
+    seqs = []
+    for i, (prompt, draft) in enumerate(zip(prompts, drafts, strict=True)):
+        seq = Sequence(request_id=f"s{i}", prompt_token_ids=prompt, params=SamplingParams())
+        needed = -(-(len(prompt) + len(draft) + 1) // 4)
+        seq.block_ids, pool = pool[:needed], pool[needed:]
+        seqs.append(seq)
+
+    def run(items: list[ScheduledSequence]) -> list[torch.Tensor | None]:
+        rows = runner.execute(SchedulerPlan(scheduled=items)).rows
+        for item in items:
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
+        return rows
+
+    # A prompt chunk, then the rest of each prompt over its cached prefix (the flash kernel and merge).
+    run([ScheduledSequence(seq=s, num_new_tokens=9, num_spec_tokens=0) for s in seqs])
+    rest = [len(s.prompt_token_ids) - 9 - (0 if i == 1 else 1) for i, s in enumerate(seqs)]
+    chunk_rows = run([ScheduledSequence(seq=s, num_new_tokens=n, num_spec_tokens=0) for s, n in zip(seqs, rest, strict=True)])
+    checks = [(prompts[1], len(prompts[1]) - 1, chunk_rows[1])]
+    seqs[1].output_token_ids.append(42)
+    for seq, draft in zip(seqs, drafts, strict=True):
+        seq.spec_token_ids = list(draft)
+    spans = runner.build_batch([ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
+                                for s, d in zip(seqs, drafts, strict=True)])[0].attn.meta.spans
+    if matmul_from is not None:  # the spans this test is about really take the GEMM path
+        assert all(decode_matmul.applies(s, torch.bfloat16, min_context=matmul_from) for s in spans)
+        assert any(s.context_len % 4 for s in spans), "a last block read past the context (the padding)"
+    verify_rows = run([ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
+                       for s, d in zip(seqs, drafts, strict=True)])
+    for seq, draft, rows in zip(seqs, drafts, verify_rows, strict=True):
+        checks.append((seq.token_ids + draft, seq.num_tokens - 1, rows))
+    for tokens, first, rows in checks:
+        assert rows is not None
+        assert_within_bf16_noise(reference, bf16, tokens, first, rows)
+
+
+@pytest.mark.parametrize("matmul_from", [64, None], ids=["gemm_decode", "flash_only"])
+def test_bf16_engine_decode_and_prefix_hit_equal_dense(bf16_twins: tuple[ModelBundle, ModelBundle],
+                                                       matmul_from: int | None) -> None:
+    # Through the engine in bf16: chunked prefill over a cached prefix (24-token budget), batched
+    # decodes, a prefix-cache hit; decode on decode_matmul.py from 64 keys of context (the engine's
+    # default is 1k, beyond this tiny model's positions), or on the flash kernel only.
+    reference, bf16 = bf16_twins
+    engine = bf16.engine(block_size=16, max_num_batched_tokens=96, max_model_len=512, num_gpu_blocks_override=96)
+    engine.runner.attention_backend = PagedViewsBackend(matmul_from=matmul_from)
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    # Contexts past short_group.MAX_CONTEXT, so that the flash-only backend reads them in place too.
+    document = list(range(1000, 1270))
+    engine.generate([document + [5, 6]], params)
+    prompts = [PROMPTS[0], document + list(range(300, 320)), list(range(2000, 2290))]  # the second hits
+    outs = engine.generate(prompts, params)
+    assert outs[1].metrics.num_cached_tokens == 16 * (len(document) // 16)
+    noise, error = 0.0, 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.logprobs is not None
+        tokens = prompt + out.token_ids
+        rows = torch.arange(len(prompt) - 1, len(tokens) - 1)
+        chosen = torch.tensor(out.token_ids)
+        dense = dense_logprobs(bf16, tokens)[rows, chosen]
+        noise = max(noise, float((dense - dense_logprobs(reference, tokens)[rows, chosen]).abs().max()))
+        error = max(error, float((torch.tensor([lp.logprob for lp in out.logprobs]) - dense).abs().max()))
+    assert noise > 0, "the twins should differ by bf16 rounding"
+    assert error <= BF16_BUDGET * noise, f"paged bf16 is {error:.4f} from dense bf16, which is {noise:.4f} from fp32"

@@ -1,0 +1,88 @@
+"""Decode and verify over a long cached context as two GEMMs on the pool's rows (bf16/fp16, CPU).
+
+A run of pool slots is a contiguous (n, Hkv * D) matrix. Laying the step's queries out block-diagonally,
+row (j, t, g) holding query head j * G + g of token t in the D columns of K/V head j and zeros
+elsewhere, one GEMM against those rows scores every head at once, and a second one against the value
+rows returns every head's output (the diagonal blocks of it). The zeros triple the multiply-adds, but
+these GEMMs are bound by reading K and V, not by arithmetic, and they read each key once for all heads
+with no copy, no per-head call and no expanded K/V. The softmax then spans every run of the table, so
+a fragmented table needs no log-sum-exp merge either.
+
+Why not the CPU flash kernel here: with the 3 query rows a decode gives it per K/V head (G folded into
+the query length), it is far from the memory bound in reduced precision. One layer of SmolLM2-135M
+(9 heads, 3 K/V heads, D 64), bf16, 1 thread, 30 layers' pools read in turn (cold caches), the context
+growing by one key per call as in decoding, CPU microseconds per layer, three repeats: flash 212-277 /
+302-350 / 646-741 / 1,180-1,245 at L = 512 / 1k / 2k / 4k; these two GEMMs 188-261 / 250-283 / 408-538
+/ 656-680 (reading the 3 MB of K/V alone takes ~110 us at 4k). In the engine (int4, one decode,
+backends alternated step by step, 8-12 rounds of 4 steps, CPU ms per step, best / median): 27.1 / 29.8
+flash vs 29.1 / 32.2 GEMMs at 1k, 32.3 / 44.5 vs 31.4 / 38.4 at 1.5k, 40.9 / 51.8 vs 35.9 / 42.2 at 2k,
+62.4 / 72.5 vs 52.8 / 59.1 at 4k. So the GEMMs take over from `MIN_CONTEXT` keys, in reduced precision
+only: fp32 GEMMs of this shape were slower than the flash kernel. benchmarks/long_context.py repeats
+the A/B.
+
+Precision: the scores leave the bf16 GEMM rounded to bf16 (the kernel accumulates in fp32), as SDPA's
+math path does; the softmax runs in fp32 and the probabilities are rounded to bf16 for the second
+GEMM. tests/engine/attention/test_backends.py bounds the error against a float64 reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
+
+MIN_CONTEXT = 1536  # keys; below this the flash kernel was as fast or faster in the engine
+# Query tokens (a decode is 1, a verify 1 + drafts): the GEMMs grow with H * Q rows and the kernel's
+# rows fill up. Per layer at 1.5k / 4k keys (as above, CPU us): flash vs GEMMs 509-541 vs 387-432 and
+# 1,288-1,447 vs 759-765 for Q = 1; 768-799 vs 639-646 and 1,840-1,909 vs 1,388-1,468 for Q = 5;
+# 937-977 vs 880-1,028 and 2,236-2,326 vs 1,974-2,014 for Q = 9; even at Q = 16.
+MAX_QUERY = 9
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def applies(span: SequenceSpan, dtype: torch.dtype, *, min_context: int = MIN_CONTEXT) -> bool:
+    return dtype in DTYPES and span.num_new <= MAX_QUERY and span.context_len >= min_context
+
+
+def attend_matmul(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, runs: Seq[SlotRun], *,
+                  block_size: int) -> torch.Tensor:
+    """q (Q, H, D) for the last Q of the keys in `runs` (the new ones, already written), causal among
+    themselves; k_flat/v_flat (num_slots, Hkv, D) -> (Q, H, D)."""
+    t, h, d = q.shape
+    hkv = k_flat.shape[1]
+    g = h // hkv
+    # oneDNN builds (JIT-compiles) a GEMM for every new shape, ~0.3 ms each: were the key count exact,
+    # every decode step would pay that for each GEMM, as a context grows by one key per step. So the
+    # last run is read to the end of its last block, slots the sequence owns, and the padding masked:
+    # its probabilities are exactly 0. (Stale slots hold finite values: the pool starts zeroed and
+    # receives only K/V the model computed.)
+    last = runs[-1]
+    padded = min(-(-last.length // block_size) * block_size, k_flat.shape[0] - last.first_slot)
+    spans = [(r.first_slot, r.length) for r in runs[:-1]] + [(last.first_slot, padded)]
+    width = sum(n for _, n in spans)
+    context = width - (padded - last.length)
+    # Row (j, t, g) holds query head j * G + g of token t, scaled, in K/V head j's D columns.
+    scaled = (q * d**-0.5).view(t, hkv, g, d).transpose(0, 1)  # (Hkv, Q, G, D)
+    blocks = q.new_zeros(hkv, t * g, hkv, d)
+    torch.diagonal(blocks, dim1=0, dim2=2).copy_(scaled.reshape(hkv, t * g, d).permute(1, 2, 0))
+    rows = blocks.view(hkv * t * g, hkv * d)  # block-diagonal
+    keys = [k_flat[first : first + n].view(n, hkv * d) for first, n in spans]  # (n, Hkv*D) views
+    values = [v_flat[first : first + n].view(n, hkv * d) for first, n in spans]
+    parts = [torch.mm(rows, k.T) for k in keys]  # (Hkv*Q*G, n) each
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (Hkv*Q*G, width)
+    # Columns from L - Q on: new token i sees the new tokens up to itself; the padding nobody sees.
+    tail = width - context + t
+    if tail > 1:
+        hidden = torch.arange(tail, device=q.device) > torch.arange(t, device=q.device).unsqueeze(1)  # (Q, tail)
+        scores.view(hkv, t, g, width)[..., width - tail :].masked_fill_(hidden.view(1, t, 1, tail), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.mm(probs[:, : spans[0][1]], values[0])  # (Hkv*Q*G, Hkv*D)
+    start = spans[0][1]
+    for (_, n), v in zip(spans[1:], values[1:], strict=True):
+        out.addmm_(probs[:, start : start + n], v)
+        start += n
+    # Row (j, t, g) wants column block j: the diagonal over the two K/V-head axes.
+    diagonal = torch.diagonal(out.view(hkv, t, g, hkv, d), dim1=0, dim2=3)  # (Q, G, D, Hkv)
+    return diagonal.permute(0, 3, 1, 2).reshape(t, h, d)
