@@ -18,7 +18,8 @@ over the scale-down one win, the step per decision is bounded, and the result is
 Panic (Knative): the short window shows demand or latency `panic_threshold` times over target; it scales
 up from the short window at once and never scales down until a stable window passes without a trigger.
 Pods still starting count as capacity, so a cold start is not answered with more pods; latency measured
-before the ready pods last grew is stale for scaling up.
+before the ready pods last grew is stale for scaling up, and latency (or engine waiting) while the waiting
+line shrinks on pods that carry the rate is the line's, answered by the rate sizing's drain term alone.
 """
 
 from __future__ import annotations
