@@ -71,21 +71,24 @@ def test_batched_equals_alone(tiny: ModelBundle) -> None:
         assert alone.token_ids == out.token_ids
 
 
-def test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(tiny: ModelBundle) -> None:
-    # Straight through the runner, with block tables in shuffled pool order (each table is several
-    # runs): a prompt with nothing cached, a chunk over that cached prefix, then in one step two
-    # verifies with different draft counts beside a plain decode.
-    runner = ModelRunner(tiny.model, num_blocks=64, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
-    pool = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
-    prompts = [list(range(100, 131)), list(range(500, 519)), list(range(900, 911))]
-    drafts = [[7, 8, 9], [], [11, 12, 13, 14, 15]]
+DRAFTS = [[7, 8, 9], [], [11, 12, 13, 14, 15]]
+Checks = list[tuple[list[int], int, torch.Tensor | None]]
+
+
+def chunk_then_verify(runner: ModelRunner, pool: list[int], prompts: list[list[int]], *,
+                      before_verify: Callable[[list[ScheduledSequence]], None] | None = None
+                      ) -> tuple[list[Sequence], Checks]:
+    """Three sequences with block tables taken in `pool` order: a 9-token prompt chunk, the rest of each
+    prompt over that cached prefix (the middle one completes its prompt, so its chunk's last row is
+    checked), then one step of verifies with DRAFTS (unequal, one empty: a plain decode).
+
+    Returns the sequences and, per checked step, (tokens, first position, the runner's logit rows)."""
     seqs = []
-    for i, (prompt, draft) in enumerate(zip(prompts, drafts, strict=True)):
+    for i, (prompt, draft) in enumerate(zip(prompts, DRAFTS, strict=True)):
         seq = Sequence(request_id=f"s{i}", prompt_token_ids=prompt, params=SamplingParams())
         needed = -(-(len(prompt) + len(draft) + 1) // 4)
         seq.block_ids, pool = pool[:needed], pool[needed:]
         seqs.append(seq)
-    assert any(len(slot_runs(s.block_ids, num_tokens=len(s.block_ids) * 4, block_size=4)) > 1 for s in seqs)
 
     def run(items: list[ScheduledSequence]) -> list[torch.Tensor | None]:
         rows = runner.execute(SchedulerPlan(scheduled=items)).rows
@@ -94,17 +97,30 @@ def test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(tiny: Mod
         return rows
 
     run([ScheduledSequence(seq=s, num_new_tokens=9, num_spec_tokens=0) for s in seqs])
-    # The middle one completes its prompt: its chunk's last row is checked against the reference.
     rest = [len(s.prompt_token_ids) - 9 - (0 if i == 1 else 1) for i, s in enumerate(seqs)]
     chunk_rows = run([ScheduledSequence(seq=s, num_new_tokens=n, num_spec_tokens=0) for s, n in zip(seqs, rest, strict=True)])
-    checks = [(prompts[1], len(prompts[1]) - 1, chunk_rows[1])]
+    checks: Checks = [(prompts[1], len(prompts[1]) - 1, chunk_rows[1])]
     seqs[1].output_token_ids.append(42)
-    for seq, draft in zip(seqs, drafts, strict=True):
+    for seq, draft in zip(seqs, DRAFTS, strict=True):
         seq.spec_token_ids = list(draft)
-    verify_rows = run([ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
-                       for s, d in zip(seqs, drafts, strict=True)])
-    for seq, draft, rows in zip(seqs, drafts, verify_rows, strict=True):
+    verifies = [ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
+                for s, d in zip(seqs, DRAFTS, strict=True)]
+    if before_verify is not None:
+        before_verify(verifies)
+    for seq, draft, rows in zip(seqs, DRAFTS, run(verifies), strict=True):
         checks.append((seq.token_ids + draft, seq.num_tokens - 1, rows))
+    return seqs, checks
+
+
+def test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(tiny: ModelBundle) -> None:
+    # Straight through the runner, with block tables in shuffled pool order (each table is several
+    # runs): a prompt with nothing cached, a chunk over that cached prefix, then in one step two
+    # verifies with different draft counts beside a plain decode.
+    runner = ModelRunner(tiny.model, num_blocks=64, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    pool = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [list(range(100, 131)), list(range(500, 519)), list(range(900, 911))]
+    seqs, checks = chunk_then_verify(runner, pool, prompts)
+    assert any(len(slot_runs(s.block_ids, num_tokens=len(s.block_ids) * 4, block_size=4)) > 1 for s in seqs)
     for tokens, first, rows in checks:
         assert rows is not None
         reference = dense_logprobs(tiny, tokens)[first : first + rows.shape[0]]
@@ -182,37 +198,14 @@ def test_bf16_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(
     pool = torch.randperm(200, generator=torch.Generator().manual_seed(4)).tolist()
     # Contexts past short_group.MAX_CONTEXT, so that the flash-only backend reads them in place too.
     prompts = [list(range(100, 400)), list(range(500, 519)), list(range(900, 1170))]
-    drafts = [[7, 8, 9], [], [11, 12, 13, 14, 15]]
-    seqs = []
-    for i, (prompt, draft) in enumerate(zip(prompts, drafts, strict=True)):
-        seq = Sequence(request_id=f"s{i}", prompt_token_ids=prompt, params=SamplingParams())
-        needed = -(-(len(prompt) + len(draft) + 1) // 4)
-        seq.block_ids, pool = pool[:needed], pool[needed:]
-        seqs.append(seq)
 
-    def run(items: list[ScheduledSequence]) -> list[torch.Tensor | None]:
-        rows = runner.execute(SchedulerPlan(scheduled=items)).rows
-        for item in items:
-            item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
-        return rows
-
-    # A prompt chunk, then the rest of each prompt over its cached prefix (the flash kernel and merge).
-    run([ScheduledSequence(seq=s, num_new_tokens=9, num_spec_tokens=0) for s in seqs])
-    rest = [len(s.prompt_token_ids) - 9 - (0 if i == 1 else 1) for i, s in enumerate(seqs)]
-    chunk_rows = run([ScheduledSequence(seq=s, num_new_tokens=n, num_spec_tokens=0) for s, n in zip(seqs, rest, strict=True)])
-    checks = [(prompts[1], len(prompts[1]) - 1, chunk_rows[1])]
-    seqs[1].output_token_ids.append(42)
-    for seq, draft in zip(seqs, drafts, strict=True):
-        seq.spec_token_ids = list(draft)
-    spans = runner.build_batch([ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
-                                for s, d in zip(seqs, drafts, strict=True)])[0].attn.meta.spans
-    if matmul_from is not None:  # the spans this test is about really take the GEMM path
+    def on_gemm_path(verifies: list[ScheduledSequence]) -> None:  # the spans this test is about take it
+        assert matmul_from is not None
+        spans = runner.build_batch(verifies)[0].attn.meta.spans
         assert all(decode_matmul.applies(s, torch.bfloat16, min_context=matmul_from) for s in spans)
         assert any(s.context_len % 4 for s in spans), "a last block read past the context (the padding)"
-    verify_rows = run([ScheduledSequence(seq=s, num_new_tokens=1 + len(d), num_spec_tokens=len(d))
-                       for s, d in zip(seqs, drafts, strict=True)])
-    for seq, draft, rows in zip(seqs, drafts, verify_rows, strict=True):
-        checks.append((seq.token_ids + draft, seq.num_tokens - 1, rows))
+
+    _, checks = chunk_then_verify(runner, pool, prompts, before_verify=None if matmul_from is None else on_gemm_path)
     for tokens, first, rows in checks:
         assert rows is not None
         assert_within_bf16_noise(reference, bf16, tokens, first, rows)
