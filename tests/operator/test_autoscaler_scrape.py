@@ -8,6 +8,7 @@ import math
 import socket
 import time
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,7 @@ from decodeservice.operator.autoscaler.scrape import (
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.policy import Policy, PriorityClass
 from decodeservice.proxy.slo import RequestOutcome
+from tests.support.loopback_http import serve
 
 GOOD = """\
 # TYPE decode_proxy:time_to_first_token_seconds histogram
@@ -136,18 +138,6 @@ def test_census_counts_ready_starting_and_skips_terminating() -> None:
     assert got.starting == 3  # c (not ready), d (no IP yet), g (no status yet)
 
 
-async def _serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
 @pytest.fixture
 async def pods() -> AsyncIterator[dict[str, str]]:
     never = asyncio.Event()
@@ -173,22 +163,18 @@ async def pods() -> AsyncIterator[dict[str, str]]:
         return web.Response(text=GOOD)
 
     urls: dict[str, str] = {}
-    gens = []
-    for name, handler in (("good", good), ("huge", huge), ("binary", binary), ("error", error), ("slow", slow)):
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        gen = _serve(app)
-        urls[name] = await gen.__anext__()
-        gens.append(gen)
-    with socket.socket() as s:  # a port nobody listens on: connection refused
-        s.bind(("127.0.0.1", 0))
-        urls["refused"] = f"http://127.0.0.1:{s.getsockname()[1]}"
-    try:
-        yield urls
-    finally:
-        never.set()
-        for gen in gens:
-            await gen.aclose()
+    async with AsyncExitStack() as servers:
+        for name, handler in (("good", good), ("huge", huge), ("binary", binary), ("error", error), ("slow", slow)):
+            app = web.Application()
+            app.router.add_get("/metrics", handler)
+            urls[name] = await servers.enter_async_context(serve(app))
+        with socket.socket() as s:  # a port nobody listens on: connection refused
+            s.bind(("127.0.0.1", 0))
+            urls["refused"] = f"http://127.0.0.1:{s.getsockname()[1]}"
+        try:
+            yield urls
+        finally:
+            never.set()
 
 
 async def test_scrape_keeps_good_pods_and_lists_every_broken_one(pods: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from decodeservice.operator.errors import ApiError
 from decodeservice.operator.kube import KINDS, KubeClient, load_cert_chain_from_memory, pem
+from tests.support.loopback_http import serve
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
 
@@ -80,15 +81,8 @@ async def api_server(pki: Pki) -> AsyncIterator[str]:
     ctx.load_cert_chain(str(pki.folder / "server.crt"), str(pki.folder / "server.key"))
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/default/configmaps/probe", configmap)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"https://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve(app, ssl_context=ctx) as url:
+        yield url
 
 
 def write_kubeconfig(path: Path, pki: Pki, server: str) -> Path:
