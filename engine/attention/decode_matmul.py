@@ -27,6 +27,7 @@ GEMM. tests/engine/attention/test_backends.py bounds the error against a float64
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 
 import torch
@@ -64,19 +65,16 @@ def attend_matmul(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, r
     width = sum(n for _, n in spans)
     context = width - (padded - last.length)
     # Row (j, t, g) holds query head j * G + g of token t, scaled, in K/V head j's D columns.
-    scaled = (q * d**-0.5).view(t, hkv, g, d).transpose(0, 1)  # (Hkv, Q, G, D)
-    blocks = q.new_zeros(hkv, t * g, hkv, d)
-    torch.diagonal(blocks, dim1=0, dim2=2).copy_(scaled.reshape(hkv, t * g, d).permute(1, 2, 0))
-    rows = blocks.view(hkv * t * g, hkv * d)  # block-diagonal
+    scaled = (q * d**-0.5).view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)  # (Hkv, Q*G, D)
+    rows = torch.block_diag(*scaled.unbind(0))  # (Hkv*Q*G, Hkv*D), block-diagonal
     keys = [k_flat[first : first + n].view(n, hkv * d) for first, n in spans]  # (n, Hkv*D) views
     values = [v_flat[first : first + n].view(n, hkv * d) for first, n in spans]
     parts = [torch.mm(rows, k.T) for k in keys]  # (Hkv*Q*G, n) each
     scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (Hkv*Q*G, width)
-    # Columns from L - Q on: new token i sees the new tokens up to itself; the padding nobody sees.
-    tail = width - context + t
-    if tail > 1:
-        hidden = torch.arange(tail, device=q.device) > torch.arange(t, device=q.device).unsqueeze(1)  # (Q, tail)
-        scores.view(hkv, t, g, width)[..., width - tail :].masked_fill_(hidden.view(1, t, 1, tail), float("-inf"))
+    # The padding nobody sees; from column L - Q on, new token i sees the new tokens up to itself.
+    scores[:, context:].fill_(float("-inf"))
+    if t > 1:
+        scores.view(hkv, t, g, width)[..., context - t : context].masked_fill_(_after_self(t, q.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.mm(probs[:, : spans[0][1]], values[0])  # (Hkv*Q*G, Hkv*D)
     start = spans[0][1]
@@ -86,3 +84,9 @@ def attend_matmul(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, r
     # Row (j, t, g) wants column block j: the diagonal over the two K/V-head axes.
     diagonal = torch.diagonal(out.view(hkv, t, g, hkv, d), dim1=0, dim2=3)  # (Q, G, D, Hkv)
     return diagonal.permute(0, 3, 1, 2).reshape(t, h, d)
+
+
+@functools.cache
+def _after_self(t: int, device: torch.device) -> torch.Tensor:
+    """(1, Q, 1, Q) bool, True where new token i would see new token j > i: built once per Q."""
+    return (torch.arange(t, device=device) > torch.arange(t, device=device).unsqueeze(1)).view(1, t, 1, t)
