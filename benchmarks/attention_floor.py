@@ -12,6 +12,7 @@ model's shapes (30 layers, 9 query heads, 3 K/V heads, D 64, bf16 K/V as the int
   (the least any exact kernel must spend); `shipped_us`, the engine's path at L (decode_matmul.py from
   its MIN_CONTEXT, else the flash kernel over views); `flash_us`; `int8_scores_us`, the score GEMM alone
   if K were stored as int8 (`torch._int_mm`, the only stock kernel here that reads less), for scale.
+  With --inductor, `inductor_us`: the same decode as plain tensor math compiled by torch.compile.
   `best_ratio_vs_short` = short step / (short step + 30 x read_floor_us): decode at L over decode at a
   few keys if attention cost nothing beyond reading K and V once. Without --skip-engine the short step
   is the bundled engine's own (default precision, best of two 32-token decodes after 8 tokens).
@@ -54,7 +55,20 @@ def per_layer_us(fn: Callable[[int], object], repeats: int) -> float:
     return best / LAYERS * 1e6
 
 
-def decode_costs(length: int, repeats: int) -> dict[str, float]:
+def compiled_decode() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Decode attention written as plain tensor math for inductor to fuse (q (Hkv, G, D), k/v (L, Hkv, D))."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = (k.float().unsqueeze(2) * q.float().unsqueeze(0)).sum(-1) * HEAD_DIM**-0.5  # (L, Hkv, G)
+        weights = torch.exp(scores - scores.amax(0, keepdim=True))
+        out = (weights.unsqueeze(-1) * v.float().unsqueeze(2)).sum(0)  # (Hkv, G, D)
+        return (out / weights.sum(0).unsqueeze(-1)).to(q.dtype)
+
+    return torch.compile(attend, dynamic=True)
+
+
+def decode_costs(length: int, repeats: int, inductor: Callable[..., torch.Tensor] | None = None
+                 ) -> dict[str, float]:
     gen = torch.Generator().manual_seed(length)
     slots = length + 16  # the shipped path reads on to the end of the last 16-slot block
     keys = [torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE) for _ in range(LAYERS)]
@@ -78,9 +92,13 @@ def decode_costs(length: int, repeats: int) -> dict[str, float]:
     keys_int8 = [torch.randint(-127, 128, (length, KV_HEADS * HEAD_DIM), dtype=torch.int8, generator=gen)
                  for _ in range(LAYERS)]
     rows_int8 = torch.randint(-127, 128, (HEADS, KV_HEADS * HEAD_DIM), dtype=torch.int8, generator=gen)
-    return {"read_floor_us": per_layer_us(read, repeats), "shipped_us": per_layer_us(shipped, repeats),
-            "flash_us": per_layer_us(flash, repeats),
-            "int8_scores_us": per_layer_us(lambda i: torch._int_mm(rows_int8, keys_int8[i].t()), repeats)}
+    row = {"read_floor_us": per_layer_us(read, repeats), "shipped_us": per_layer_us(shipped, repeats),
+           "flash_us": per_layer_us(flash, repeats),
+           "int8_scores_us": per_layer_us(lambda i: torch._int_mm(rows_int8, keys_int8[i].t()), repeats)}
+    if inductor is not None:
+        grouped = q.view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        row["inductor_us"] = per_layer_us(lambda i: inductor(grouped, keys[i][:length], values[i][:length]), repeats)
+    return row
 
 
 def prefill_bound(contexts: list[int], repeats: int) -> dict[str, Any]:
@@ -142,6 +160,8 @@ def main() -> int:
     parser.add_argument("--contexts", default="512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-engine", action="store_true", help="no short-step measurement (no model load)")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also decode attention as plain tensor math compiled by inductor (needs a C++ compiler)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -151,8 +171,9 @@ def main() -> int:
     step = None if args.skip_engine else short_step_ms()
     result["engine_short_decode_step_ms"] = step
     decode: dict[str, Any] = {}
+    inductor = compiled_decode() if args.inductor else None
     for length in contexts:
-        row: dict[str, Any] = decode_costs(length, args.repeats)
+        row: dict[str, Any] = decode_costs(length, args.repeats, inductor)
         row["read_floor_ms_per_step"] = LAYERS * row["read_floor_us"] / 1e3
         row["shipped_ms_per_step"] = LAYERS * row["shipped_us"] / 1e3
         if step is not None:
