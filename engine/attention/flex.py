@@ -175,7 +175,10 @@ class FlexPagedBackend:
         # CUDA: one fused kernel through inductor; CPU: eager, the reference path (see docstring).
         self.compiled = device.type == "cuda" if compiled is None else compiled
         self.kernel_options: dict[str, Any] = {"BLOCK_N": min(block_size, MAX_KEY_TILE)}
-        self._flex: Callable[..., Any] = torch.compile(flex_attention, dynamic=None) if self.compiled else flex_attention
+        self._flex: Callable[..., Any] = flex_attention
+        if self.compiled:
+            compile_fn: Callable[[Any], Any] = torch.compile(dynamic=None)  # dynamic batch/query after a recompile
+            self._flex = compile_fn(flex_attention)
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> FlexMetadata:
         if meta.block_size != self.block_size:
@@ -220,7 +223,7 @@ class FlexPagedBackend:
             # Eager (CPU) flex warns that it is unfused: that path is the reference here, on purpose.
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
                                     category=UserWarning)
-            out = self._flex(padded.transpose(1, 2), keys, values, block_mask=block_mask, enable_gqa=True,
+            out: torch.Tensor = self._flex(padded.transpose(1, 2), keys, values, block_mask=block_mask, enable_gqa=True,
                              kernel_options=self.kernel_options if self.compiled else None)
         attended = out.transpose(1, 2)  # (B, Qmax, H, D)
         if query_rows is None:
