@@ -100,7 +100,7 @@ class DecodeGraph:
     """One bucket: static inputs, the fixed block mask, and (CUDA) the captured forward."""
 
     def __init__(self, *, bucket: int, model: LlamaModel, kv_caches: KVCaches, num_layers: int,
-                 flex: FlexPagedBackend, max_pages: int) -> None:
+                 flex: FlexPagedBackend, page_map: PageMap, max_pages: int) -> None:
         device = flex.device
         self.bucket, self.model, self.kv_caches, self.num_layers = bucket, model, kv_caches, num_layers
         self.block_size, self.max_pages = flex.block_size, max_pages
@@ -108,12 +108,9 @@ class DecodeGraph:
         self.positions = torch.zeros(bucket, dtype=torch.long, device=device)
         # Slot 0 until the first step: warm-up writes block 0, free at start-up (as ModelRunner._warm_up).
         self.slot_mapping = torch.zeros(bucket, dtype=torch.long, device=device)
-        self.page_map = PageMap(capacity=bucket, num_blocks=flex.num_blocks, block_size=flex.block_size,
-                                device=device)
+        self.page_map = page_map  # shared by the buckets: one replays at a time and fills its rows first
         self.visible_pages = torch.ones(bucket, 1, 1, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(bucket, 1, 1, max_pages, dtype=torch.int32, device=device)
-        self.page_map.context[:bucket] = 1  # every row: one key, slot 0 (what warm-up writes)
-        self.page_map.logical[:bucket, 0] = 0
         self.block_mask = block_mask_for(self.page_map, self.visible_pages, self.kv_indices, 1)
         self.batch = ForwardBatch(
             input_ids=self.input_ids, positions=self.positions,
@@ -170,9 +167,16 @@ class DecodeGraphs:
                  buckets: Seq[int] = BUCKETS) -> None:
         self.block_size = flex.block_size
         max_pages = cdiv(model.config.max_position_embeddings, flex.block_size)
-        self.graphs = {b: DecodeGraph(bucket=b, model=model, kv_caches=kv_caches, num_layers=num_layers, flex=flex,
-                                      max_pages=max_pages) for b in buckets}
         self.buckets = tuple(sorted(buckets))
+        # One page map for every bucket: the same mask_mod and buffers (so torch.compile guards see one
+        # object, not a recompile per bucket). Until the first step every row is one key at slot 0,
+        # which is what warm-up writes.
+        page_map = PageMap(capacity=self.buckets[-1], num_blocks=flex.num_blocks, block_size=flex.block_size,
+                           device=flex.device)
+        page_map.context.fill_(1)
+        page_map.logical[:, 0] = 0
+        self.graphs = {b: DecodeGraph(bucket=b, model=model, kv_caches=kv_caches, num_layers=num_layers, flex=flex,
+                                      page_map=page_map, max_pages=max_pages) for b in self.buckets}
         if flex.device.type == "cuda":
             # One memory pool, largest bucket first: the smaller graphs reuse what the largest reserved.
             pool = torch.cuda.graph_pool_handle()

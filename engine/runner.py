@@ -59,9 +59,6 @@ class ModelRunner:
         ]
         # One-row steps through torch.compile (see compiled_step.py); compiled here, not on the first request.
         self.compiled: CompiledDecodeStep | None = None
-        if compile_step:
-            self.compiled = CompiledDecodeStep(model)
-            self._warm_up()
         # Decode steps replayed from CUDA graphs (cuda_graphs.py), captured here; on CPU (tests) the same
         # static buffers run eager.
         self.graphs: DecodeGraphs | None = None
@@ -72,6 +69,9 @@ class ModelRunner:
             flex = self.attention_backend if isinstance(self.attention_backend, FlexPagedBackend) else \
                 FlexPagedBackend(num_blocks=num_blocks, block_size=block_size, device=device)
             self.graphs = DecodeGraphs(model=model, kv_caches=self.kv_caches, num_layers=self.num_layers, flex=flex)
+        if compile_step:
+            self.compiled = CompiledDecodeStep(model)
+            self._warm_up()
 
     def execute(self, plan: SchedulerPlan) -> StepLogits:
         if self.graphs is not None and (hidden := self.graphs.run(plan.scheduled)) is not None:
