@@ -23,10 +23,11 @@ CPU path ignores the sparse indices and evaluates mask_mod over every slot of th
 mask alone must reject other sequences' pages, which it does; `page_indices_cover` (tested) checks
 that the indices the GPU kernel visits hold every visible key.
 
-Per-step state lives in fixed-capacity tensors updated in place (PageMap), and `mask_mod` is one bound
-method for the backend's life: torch.compile guards on the function and the tensors it closes over,
-so a fresh closure per step would recompile every step, and CUDA graphs (cuda_graphs.py) need the
-same buffers at every replay. No tile is declared "full" (which would skip mask_mod): simpler, at
+Per-step state lives in device tensors (PageMap, fixed capacity, updated in place) and `mask_mod` is
+one bound method for the backend's life. The mask reads nothing per step from Python: torch.compile
+specializes on Python numbers a mask closes over, so a per-step value there would recompile every
+step (tests/engine/attention/test_flex.py counts the traces), and CUDA graphs (cuda_graphs.py) need
+the same buffers at every replay. No tile is declared "full" (which would skip mask_mod): simpler, at
 the cost of evaluating the mask on pages wholly inside the prefix.
 
 On CUDA the flex call goes through torch.compile (that is what makes it one fused Triton kernel); on
@@ -166,7 +167,7 @@ class FlexPagedBackend:
     name = "flex"
 
     def __init__(self, *, num_blocks: int, block_size: int, device: torch.device,
-                 compiled: bool | None = None) -> None:
+                 compiled: bool | None = None, compile_backend: str | Callable[..., Any] = "inductor") -> None:
         if device.type == "cuda" and block_size < MIN_CUDA_BLOCK_SIZE:
             raise ConfigError(f"flex attention on CUDA needs block_size >= {MIN_CUDA_BLOCK_SIZE}, not {block_size}")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
@@ -177,7 +178,10 @@ class FlexPagedBackend:
         self.kernel_options: dict[str, Any] = {"BLOCK_N": min(block_size, MAX_KEY_TILE)}
         self._flex: Callable[..., Any] = flex_attention
         if self.compiled:
-            compile_fn: Callable[[Any], Any] = torch.compile(dynamic=None)  # dynamic batch/query after a recompile
+            # dynamic=None: batch and query length go symbolic after their first change, so a server
+            # compiles a handful of times, not per step. `compile_backend`: tests trace with a counting
+            # backend on CPU (inductor's CPU flex kernel takes minutes to build here).
+            compile_fn: Callable[[Any], Any] = torch.compile(dynamic=None, backend=compile_backend)
             self._flex = compile_fn(flex_attention)
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> FlexMetadata:

@@ -7,6 +7,8 @@ the CPU backend, with the same scenarios."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -119,3 +121,23 @@ def test_backend_choice_and_cuda_block_size() -> None:
     assert isinstance(backend_for(torch.device("cuda"), num_blocks=8, block_size=8), GatherBackend)
     with pytest.raises(ConfigError, match="block_size >= 16"):
         FlexPagedBackend(num_blocks=8, block_size=8, device=torch.device("cuda"))
+
+
+def test_compiled_flex_is_not_recompiled_per_step() -> None:
+    # The mask reads every per-step value from device tensors, so a compiled flex call is traced once
+    # for steps of the same shape, whatever their page tables (a Python number of the step in the
+    # mask, e.g. a length, retraces every step: checked by hand). Traced by dynamo on CPU with a
+    # backend that counts graphs and runs them as they are.
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    backend = FlexPagedBackend(num_blocks=NUM_BLOCKS, block_size=BS, device=CPU, compiled=True,
+                               compile_backend=counting)
+    for seed in range(3):
+        step, q, k, v, k_cache, v_cache, reference = build_step(torch.float32, backend, seed)
+        planned = StepAttention(meta=backend.plan(step.meta, dtype=torch.float32), backend=backend)
+        torch.testing.assert_close(attend(q, k, v, k_cache, v_cache, planned).double(), reference, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
