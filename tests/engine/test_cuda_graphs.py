@@ -4,6 +4,7 @@ eager), and on a GPU the captured graphs against the eager engine."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -139,3 +140,30 @@ def test_cuda_graph_engine_equals_eager_engine(tiny_factory: Callable[..., Model
         assert graphed.token_ids == eager.token_ids
         assert graphed.logprobs is not None and eager.logprobs is not None
         assert max(abs(a.logprob - b.logprob) for a, b in zip(graphed.logprobs, eager.logprobs, strict=True)) < 1e-2
+
+
+def test_warm_up_traces_everything_the_steps_replay(tiny: ModelBundle) -> None:
+    # On CUDA each bucket runs its forward twice before capture, because nothing may compile while a
+    # graph records. With a compiled flex (traced by dynamo on CPU, a counting backend), the warm-up
+    # of every bucket must leave no shape or guard for the real steps to trace again.
+    traced: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        traced.append(gm)
+        return gm.forward
+
+    flex = FlexPagedBackend(num_blocks=64, block_size=4, device=CPU, compiled=True, compile_backend=counting)
+    runner = ModelRunner(tiny.model, num_blocks=64, block_size=4, device=CPU, dtype=torch.float32, attention_backend=flex)
+    # Four buckets stand for six: the batch size goes symbolic after its first change either way.
+    graphs = DecodeGraphs(model=tiny.model, kv_caches=runner.kv_caches, num_layers=runner.num_layers, flex=flex,
+                          buckets=(1, 2, 4, 8))
+    for bucket in reversed(graphs.buckets):  # the order DecodeGraphs captures in on CUDA
+        graphs.graphs[bucket].forward()
+    warm = len(traced)
+    assert 0 < warm < 8, "torch.compile's recompile limit is 8"  # measured 3 (8, then symbolic, then 1)
+    seqs = sequences(list(range(64)), block_size=4, room=4)
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    for n in (1, 2, 3):
+        assert graphs.run(decode_items(seqs[:n])) is not None
+    assert len(traced) == warm
