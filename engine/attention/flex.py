@@ -20,8 +20,8 @@ fused kernel visits only those pages. `mask_mod` then decides each (query, slot)
 logical positions: a slot's page maps back to its index in b's table (`PageMap.logical`, -1 where the
 page is not b's), and query i of a sequence with C cached keys sees logical keys 0 .. C + i. The eager
 CPU path ignores the sparse indices and evaluates mask_mod over every slot of the pool, so there the
-mask alone must reject other sequences' pages, which it does; `page_indices_cover` (tested) checks
-that the indices the GPU kernel visits hold every visible key.
+mask alone must reject other sequences' pages, which it does; tests/engine/attention/test_flex.py
+checks pair by pair that the pages the GPU kernel visits hold every key the mask allows.
 
 Per-step state lives in device tensors (PageMap, fixed capacity, updated in place) and `mask_mod` is
 one bound method for the backend's life. The mask reads nothing per step from Python: torch.compile
@@ -131,22 +131,6 @@ def block_mask_for(page_map: PageMap, visible_pages: torch.Tensor, kv_indices: t
     return BlockMask.from_kv_blocks(
         visible_pages, kv_indices, BLOCK_SIZE=(Q_TILE, page_map.block_size), mask_mod=page_map.mask_mod,
         seq_lengths=(max_new, page_map.num_blocks * page_map.block_size), compute_q_blocks=False)
-
-
-def page_indices_cover(block_mask: BlockMask, page_map: PageMap, batch: int, max_new: int) -> bool:
-    """Whether every (query, slot) pair mask_mod allows lies on a page the sparse indices visit."""
-    slots = page_map.num_blocks * page_map.block_size
-    b, q, kv = torch.meshgrid(torch.arange(batch), torch.arange(max_new), torch.arange(slots), indexing="ij")
-    allowed = page_map.mask_mod(b, torch.zeros_like(b), q, kv)  # (B, Qmax, slots)
-    visited = torch.zeros(batch, cdiv(max_new, Q_TILE), page_map.num_blocks, dtype=torch.bool)
-    counts, indices = block_mask.kv_num_blocks[:, 0].cpu(), block_mask.kv_indices[:, 0].cpu()
-    for i in range(batch):
-        for j in range(counts.shape[1]):
-            visited[i, j, indices[i, j, : int(counts[i, j])].long()] = True
-    tile_of_query = torch.arange(max_new) // Q_TILE
-    page_of_slot = torch.arange(slots) // page_map.block_size
-    on_visited = visited[:, tile_of_query][:, :, page_of_slot]  # (B, Qmax, slots)
-    return bool((on_visited | ~allowed).all())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ from decodeservice.engine.runner import ModelRunner
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
 from tests.conftest import ModelBundle
+from tests.engine.attention.test_flex import page_indices_cover
 from tests.engine.test_paged_attention import dense_logprobs
 
 CPU = torch.device("cpu")
@@ -91,6 +92,7 @@ def test_static_buffers_replayed_eager_equal_the_normal_step_and_dense(tiny: Mod
     for _ in range(3):
         rows = step(decode_items(seqs))
         assert bucket.input_ids.tolist() == [s.token_ids[-2] for s in seqs] + [seqs[0].token_ids[-2]]
+        assert page_indices_cover(bucket.block_mask, bucket.page_map, 4, 1)  # what the GPU kernel would visit
         for seq, row in zip(seqs, rows, strict=True):
             reference = dense_logprobs(tiny, seq.token_ids[:-1])[-1]
             assert (torch.log_softmax(row[0], dim=-1) - reference).abs().max() < 1e-4

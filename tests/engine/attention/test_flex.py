@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from decodeservice.engine import SamplingParams
 from decodeservice.engine.attention import (
@@ -22,7 +23,7 @@ from decodeservice.engine.attention import (
     backend_for,
     slot_runs,
 )
-from decodeservice.engine.attention.flex import Q_TILE, FlexPagedBackend, page_indices_cover
+from decodeservice.engine.attention.flex import Q_TILE, FlexPagedBackend, PageMap, cdiv
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.runner import ModelRunner
@@ -31,6 +32,22 @@ from tests.engine.attention.test_backends import BS, NUM_BLOCKS, SEQUENCES, buil
 from tests.engine.test_paged_attention import PROMPTS, chunk_then_verify, dense_logprobs
 
 CPU = torch.device("cpu")
+
+
+def page_indices_cover(block_mask: BlockMask, page_map: PageMap, batch: int, max_new: int) -> bool:
+    """Whether every (query, slot) pair mask_mod allows lies on a page the sparse indices visit."""
+    slots = page_map.num_blocks * page_map.block_size
+    b, q, kv = torch.meshgrid(torch.arange(batch), torch.arange(max_new), torch.arange(slots), indexing="ij")
+    allowed = page_map.mask_mod(b, torch.zeros_like(b), q, kv)  # (B, Qmax, slots)
+    visited = torch.zeros(batch, cdiv(max_new, Q_TILE), page_map.num_blocks, dtype=torch.bool)
+    counts, indices = block_mask.kv_num_blocks[:, 0].cpu(), block_mask.kv_indices[:, 0].cpu()
+    for i in range(batch):
+        for j in range(counts.shape[1]):
+            visited[i, j, indices[i, j, : int(counts[i, j])].long()] = True
+    tile_of_query = torch.arange(max_new) // Q_TILE
+    page_of_slot = torch.arange(slots) // page_map.block_size
+    on_visited = visited[:, tile_of_query][:, :, page_of_slot]  # (B, Qmax, slots)
+    return bool((on_visited | ~allowed).all())
 
 
 def test_flex_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(tiny: ModelBundle) -> None:
