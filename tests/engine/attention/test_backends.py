@@ -41,13 +41,14 @@ def test_slot_runs_split_where_blocks_jump() -> None:
         SlotRun(first_slot=28, length=12), SlotRun(first_slot=12, length=1)]
 
 
-def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0, *, block_size: int = BS
+def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0, *, block_size: int = BS,
+               head_dim: int = D
                ) -> tuple[StepAttention, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step over SEQUENCES with random K/V already in the pool, and the dense reference output."""
     gen = torch.Generator().manual_seed(seed)
     # Slots no sequence wrote hold stale, finite values (a block's previous owner): never to be read.
-    k_cache = (torch.randn(NUM_BLOCKS, block_size, HKV, D, generator=gen) * 30).to(dtype)
-    v_cache = (torch.randn(NUM_BLOCKS, block_size, HKV, D, generator=gen) * 30).to(dtype)
+    k_cache = (torch.randn(NUM_BLOCKS, block_size, HKV, head_dim, generator=gen) * 30).to(dtype)
+    v_cache = (torch.randn(NUM_BLOCKS, block_size, HKV, head_dim, generator=gen) * 30).to(dtype)
     top = NUM_BLOCKS  # contiguous tables come from the top of the pool, scattered ones from the rest
     free = torch.randperm(NUM_BLOCKS - 12, generator=gen).tolist()
     spans, slots, qs, ks, vs, refs = [], [], [], [], [], []
@@ -59,13 +60,13 @@ def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0, *, 
             blocks = list(range(top, top + n_blocks))
         else:
             blocks, free = free[:n_blocks], free[n_blocks:]
-        keys = torch.randn(length, HKV, D, generator=gen).to(dtype)
-        values = torch.randn(length, HKV, D, generator=gen).to(dtype)
+        keys = torch.randn(length, HKV, head_dim, generator=gen).to(dtype)
+        values = torch.randn(length, HKV, head_dim, generator=gen).to(dtype)
         seq_slots = [blocks[p // block_size] * block_size + p % block_size for p in range(length)]
         cached = length - num_new
-        k_cache.view(-1, HKV, D)[seq_slots[:cached]] = keys[:cached]  # what earlier steps wrote
-        v_cache.view(-1, HKV, D)[seq_slots[:cached]] = values[:cached]
-        q = torch.randn(num_new, H, D, generator=gen).to(dtype)
+        k_cache.view(-1, HKV, head_dim)[seq_slots[:cached]] = keys[:cached]  # what earlier steps wrote
+        v_cache.view(-1, HKV, head_dim)[seq_slots[:cached]] = values[:cached]
+        q = torch.randn(num_new, H, head_dim, generator=gen).to(dtype)
         visible = torch.arange(length).unsqueeze(0) <= (torch.arange(num_new) + cached).unsqueeze(1)  # (Q, L)
         ref = F.scaled_dot_product_attention(
             q.double().transpose(0, 1), keys.double().transpose(0, 1), values.double().transpose(0, 1),
@@ -151,12 +152,13 @@ def test_gather_on_cuda_equals_dense_reference(dtype: torch.dtype) -> None:
                     "kernel (torch.compile) only runs there; on CPU its eager path is tested above")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_flex_compiled_on_cuda_equals_dense_reference(dtype: torch.dtype) -> None:
-    # Pages of 16: the smallest the Triton kernels take. Twice, so the second step reuses the compiled
-    # kernel with another page map (in place) and must still be right.
+    # Pages of 16, the smallest the Triton kernels take, and heads of 64 (the bundled model's; tl.dot
+    # wants at least 16). Twice, so the second step reuses the compiled kernel with another page map
+    # (rewritten in place) and must still be right.
     backend = backend_for(torch.device("cuda"), num_blocks=NUM_BLOCKS, block_size=16)
     assert isinstance(backend, FlexPagedBackend) and backend.compiled
     for seed in (0, 1):
-        step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, seed, block_size=16)
+        step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, seed, block_size=16, head_dim=64)
         meta = step.meta
         cuda_meta = AttentionMetadata(
             slot_mapping=meta.slot_mapping.cuda(), block_size=meta.block_size,
