@@ -138,6 +138,10 @@ class EngineConfig:
     # compiler at run time. Off by default: ~8% on that step's forward, nothing at larger batches
     # (engine/compiled_step.py has the figures).
     compile: bool = False
+    # CUDA: replay decode steps (one token per sequence, up to 32 sequences) from CUDA graphs captured at
+    # start-up, with flex attention over the paged pool (engine/cuda_graphs.py). Off by default: written
+    # for the GPU path but never run on a GPU in this project; only its CPU stand-in is tested.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -160,6 +164,11 @@ class EngineConfig:
             raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
         if self.compile and not self.device.startswith("cpu"):
             raise ConfigError(f"compile runs on CPU only (where it was measured), not on {self.device}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ConfigError(f"cuda_graphs needs a CUDA device, not {self.device}")
+        if self.cuda_graphs and self.block_size < 16:
+            # flex attention's Triton kernels tile keys by the page, at least 16 of them (attention/flex.py)
+            raise ConfigError(f"cuda_graphs needs block_size >= 16 (flex attention pages), not {self.block_size}")
         if self.quantization in ("int8", "int4"):
             if not self.device.startswith("cpu"):
                 # torch's CUDA int4 kernel wants another packing; on a GPU the engine runs bf16 weights.

@@ -54,7 +54,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks=num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
-                                  device=self.device, dtype=self.dtype, compile_step=config.compile)
+                                  device=self.device, dtype=self.dtype, compile_step=config.compile,
+                                  cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.spec: SpeculativeDecoder | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from decodeservice.engine.cuda_graphs import DecodeGraphs
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepLogits:
@@ -39,14 +43,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, nu
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, num_layers: int | None = None,
-                 attention_backend: AttentionBackend | None = None, compile_step: bool = False) -> None:
+                 attention_backend: AttentionBackend | None = None, compile_step: bool = False,
+                 cuda_graphs: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.num_layers = num_layers or cfg.num_layers
-        self.attention_backend = attention_backend or backend_for(device)
+        self.attention_backend = attention_backend or backend_for(device, num_blocks=num_blocks, block_size=block_size)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -54,11 +59,24 @@ class ModelRunner:
         ]
         # One-row steps through torch.compile (see compiled_step.py); compiled here, not on the first request.
         self.compiled: CompiledDecodeStep | None = None
+        # Decode steps replayed from CUDA graphs (cuda_graphs.py), captured here; on CPU (tests) the same
+        # static buffers run eager.
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:  # imported here: a torch without flex attention runs everything else
+            from decodeservice.engine.attention.flex import FlexPagedBackend
+            from decodeservice.engine.cuda_graphs import DecodeGraphs
+
+            flex = self.attention_backend if isinstance(self.attention_backend, FlexPagedBackend) else \
+                FlexPagedBackend(num_blocks=num_blocks, block_size=block_size, device=device)
+            self.graphs = DecodeGraphs(model=model, kv_caches=self.kv_caches, num_layers=self.num_layers, flex=flex)
         if compile_step:
             self.compiled = CompiledDecodeStep(model)
             self._warm_up()
 
     def execute(self, plan: SchedulerPlan) -> StepLogits:
+        if self.graphs is not None and (hidden := self.graphs.run(plan.scheduled)) is not None:
+            logits = self.model.compute_logits(hidden)  # (S, V): one row per sequence
+            return StepLogits(rows=[logits[i : i + 1] for i in range(logits.shape[0])])
         batch, row_counts = self.build_batch(plan.scheduled)
         forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
         hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)

@@ -23,8 +23,19 @@ class AttentionBackend(Protocol):
         ...
 
 
-def backend_for(device: torch.device) -> AttentionBackend:
+def backend_for(device: torch.device, *, num_blocks: int | None = None, block_size: int = 16) -> AttentionBackend:
+    """CPU: paged views. CUDA: flex attention over the pool (flex.py) where torch has it, the pool size
+    is known and pages are at least flex.MIN_CUDA_BLOCK_SIZE; else the portable gather backend."""
     from decodeservice.engine.attention.gather import GatherBackend
     from decodeservice.engine.attention.paged_views import PagedViewsBackend
 
-    return PagedViewsBackend() if device.type == "cpu" else GatherBackend()
+    if device.type == "cpu":
+        return PagedViewsBackend()
+    if device.type == "cuda" and num_blocks is not None:
+        try:
+            from decodeservice.engine.attention.flex import MIN_CUDA_BLOCK_SIZE, FlexPagedBackend
+        except ImportError:  # a torch without torch.nn.attention.flex_attention (before 2.5)
+            return GatherBackend()
+        if block_size >= MIN_CUDA_BLOCK_SIZE:
+            return FlexPagedBackend(num_blocks=num_blocks, block_size=block_size, device=device)
+    return GatherBackend()
