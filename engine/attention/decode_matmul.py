@@ -65,8 +65,10 @@ def attend_matmul(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, r
     width = sum(n for _, n in spans)
     context = width - (padded - last.length)
     # Row (j, t, g) holds query head j * G + g of token t, scaled, in K/V head j's D columns.
-    scaled = (q * d**-0.5).view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)  # (Hkv, Q*G, D)
-    rows = torch.block_diag(*scaled.unbind(0))  # (Hkv*Q*G, Hkv*D), block-diagonal
+    scaled = (q * d**-0.5).view(t, hkv, g, d).transpose(0, 1)  # (Hkv, Q, G, D)
+    blocks = q.new_zeros(hkv, t * g, hkv, d)
+    torch.diagonal(blocks, dim1=0, dim2=2).copy_(scaled.reshape(hkv, t * g, d).permute(1, 2, 0))
+    rows = blocks.view(hkv * t * g, hkv * d)  # block-diagonal
     keys = [k_flat[first : first + n].view(n, hkv * d) for first, n in spans]  # (n, Hkv*D) views
     values = [v_flat[first : first + n].view(n, hkv * d) for first, n in spans]
     parts = [torch.mm(rows, k.T) for k in keys]  # (Hkv*Q*G, n) each
