@@ -128,6 +128,12 @@ class EngineConfig:
     # Weights: none | int8 (per channel) | int4 (groups of 32) | auto, the source's own precision where
     # the kernels support it (the bundled Q4_1 GGUF: int4, loaded as 4-bit). See engine/quant.
     quantization: Literal["none", "int8", "int4", "auto"] = "auto"
+    # int8/int4 weights on CPU: projection calls of engine.quant.W8A8_ROWS (8) rows or more (decode
+    # batches, prompt chunks, long verifies) run int8 activations x int8 weights (engine/quant/w8a8.py).
+    # int8 weights use their own codes: free. int4 weights keep an int8 copy of each projection and the
+    # head: +1 byte a weight (+134 MB for SmolLM2-135M, whose 4-bit codes take ~70 MB).
+    # TRADE-OFF: TBD
+    w8a8: bool = True
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
@@ -158,6 +164,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be none, int8, int4 or auto, not {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
+        if not isinstance(self.w8a8, bool):
+            raise ConfigError(f"w8a8 must be true or false, not {self.w8a8!r}")
         if self.compile and not self.device.startswith("cpu"):
             raise ConfigError(f"compile runs on CPU only (where it was measured), not on {self.device}")
         if self.quantization in ("int8", "int4"):

@@ -5,7 +5,8 @@
 `quantization` is none | int8 | int4 | auto. auto takes the source's own precision where the kernels
 here support it: a GGUF whose projections are Q4_0/Q4_1 runs int4 (loaded as 4-bit, never dequantized),
 anything else runs unquantized. Quantized weights run on CPU with bfloat16 activations (the kernels are
-slower than fp32 with fp32 activations); on CUDA the engine runs bf16 weights.
+slower than fp32 with fp32 activations); on CUDA the engine runs bf16 weights. Calls of W8A8_ROWS rows
+or more (decode batches, prompt chunks) run int8 x int8 where EngineConfig.w8a8 is on (w8a8.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from decodeservice.engine.quant.linear import (
     Int8Linear,
     int4_kernels_available,
     int8_kernels_available,
-    quantize_int8,
 )
+from decodeservice.engine.quant.w8a8 import W8A8_ROWS, quantize_int8, w8a8_mm
 
 WeightFormat = Literal["none", "int8", "int4"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,11 +40,13 @@ __all__ = [
     "Int8Embedding",
     "Int8Linear",
     "Precision",
+    "W8A8_ROWS",
     "WeightFormat",
     "int4_from_gguf",
     "quantize_int4",
     "quantize_int8",
     "resolve_precision",
+    "w8a8_mm",
 ]
 
 

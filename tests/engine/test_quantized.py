@@ -131,12 +131,14 @@ def test_gguf_q4_tensors_load_as_int4_exactly(tmp_path: Path, tied: bool) -> Non
 def tiny_pair(tmp_path: Path, fmt: str) -> tuple[Engine, Engine]:
     """The same tiny GGUF as a dense fp32 engine and as a `fmt` engine. Every matrix is 4-bit in the
     file, so the int4 engine runs exactly the file's weights and differs from fp32 only by its bf16
-    activations (a 4-bit requantization of random Gaussian weights would swamp that)."""
+    activations (a 4-bit requantization of random Gaussian weights would swamp that). W8A8 is off: the
+    paged decode (1-row steps) must equal the reference forward (a prompt's rows at once) exactly, and
+    with it on, the two take different kernels from W8A8_ROWS rows (tests/engine/quant/test_w8a8.py)."""
     qtypes = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1,
               "token_embd": Q.Q4_1}
     path, _, _ = write_tiny_gguf(tmp_path / "t.gguf", tied=True, qtypes=qtypes)
     dense = Engine.from_pretrained(str(path), quantization="none", kv_cache_gib=0.01)
-    quant = Engine.from_pretrained(str(path), quantization=fmt, kv_cache_gib=0.01)
+    quant = Engine.from_pretrained(str(path), quantization=fmt, kv_cache_gib=0.01, w8a8=False)
     return dense, quant
 
 
