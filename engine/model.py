@@ -25,8 +25,8 @@ from decodeservice.engine.quant.linear import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
-    quantize_int8,
 )
+from decodeservice.engine.quant.w8a8 import quantize_int8
 
 
 @dataclass(frozen=True, kw_only=True)
