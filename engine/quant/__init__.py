@@ -67,6 +67,9 @@ def resolve_precision(config: EngineConfig, *, source_has_int4: bool) -> Precisi
     if weights != "none":  # EngineConfig already refused a non-CPU device and non-bf16 activations
         if not (int4_kernels_available() if weights == "int4" else int8_kernels_available()):
             raise ConfigError(f"this torch build ({torch.__version__}) has no CPU {weights} weight kernels")
+        if config.w8a8 and not hasattr(torch, "_int_mm"):
+            raise ConfigError(f"this torch build ({torch.__version__}) has no int8 GEMM (torch._int_mm) for "
+                              "w8a8; set w8a8 false")
         return Precision(weights=weights, activations=torch.bfloat16)
     if config.dtype == "auto":
         return Precision(weights="none", activations=torch.bfloat16 if device == "cuda" else torch.float32)

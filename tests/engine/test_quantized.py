@@ -246,8 +246,8 @@ def teacher_forced_agreement(reference: ModelBundle, other: ModelBundle) -> list
     # 4-bit weights (the file's own, plus the Q8_0 embedding/head requantized to 4-bit): measured 0.83
     # to 0.91 per prompt, 0.87 mean (int8: 0.92 to 0.98); the floor sits below that.
     ("int4", 0.8),
-    # W8A8 (what a batch of 8+ rows runs) adds int8 activations, one scale per row, and for int4 an int8
-    # re-quantization of the 4-bit values. Measured: int8+w8a8 0.88-0.94 per prompt, mean 0.898 (below
+    # W8A8 (what calls of W8A8_ROWS rows or more run) adds int8 activations, one scale per row, and for
+    # int4 an int8 re-quantization of the 4-bit values. Measured: int8+w8a8 0.88-0.94 per prompt, mean 0.898 (below
     # the bar for int8 weights, which the weight-only kernel meets); int4+w8a8 0.78-0.89,
     # mean 0.848 (int4 alone 0.871). Floors below those.
     ("int8+w8a8", 0.85),

@@ -115,7 +115,7 @@ def test_w8a8_config_and_flag() -> None:
 
 # -- the bundled model ------------------------------------------------------------------------------
 
-STREAMS = W8A8_ROWS  # one decode step of all of them is exactly the threshold: every step runs W8A8
+STREAMS = 8  # every decode step of all of them (8 rows) runs W8A8
 TOKENS = 32
 QUESTIONS = ["Tell me about the moon.", "Write a short poem about autumn leaves.",
              "What is the difference between a list and a tuple in Python?", "Give me three tips for a job interview.",
@@ -142,6 +142,7 @@ def test_batched_w8a8_greedy_stays_close_to_each_stream_alone(int4_w8a8: ModelBu
     are close to the file's weights (teacher-forced agreement with fp32: tests/engine/test_quantized.py)
     but not bit-equal, so a near-tie can go the other way, and greedy text diverges from there on, as
     it does in vLLM between batch sizes. Free-running agreement is therefore far below teacher-forced."""
+    assert STREAMS >= W8A8_ROWS
     tok = int4_w8a8.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:STREAMS]]
     greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
