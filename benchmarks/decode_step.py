@@ -29,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MATMUL_OPS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "_int_mm", "mkldnn", "aten::mm", "aten::addmm", "aten::linear")
+MATMUL_OPS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "_int_mm", "mkldnn", "aten::mm", "aten::addmm",
+              "aten::linear")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
 

@@ -51,8 +51,8 @@ def register(subparsers: Any) -> None:
                         help="weight format (default %(default)s: the model's own, int4 for a Q4_0/Q4_1 GGUF on "
                              "CPU); int8 and int4 run on CPU")
     parser.add_argument("--w8a8", action=argparse.BooleanOptionalAction, default=engine("w8a8"),
-                        help="int8/int4 weights: run batches and prompt chunks of 6+ rows as int8 activations x int8 "
-                             "weights (int4 keeps an int8 copy: +1 byte a weight); default %(default)s")
+                        help="int8/int4 weights: run batches and prompt chunks of 6+ rows as int8 activations "
+                             "x int8 weights (int4 keeps an int8 copy: +1 byte a weight); default %(default)s")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--compile", action="store_true",

@@ -265,12 +265,13 @@ def test_quantized_greedy_agrees_with_fp32(bundled: ModelBundle, quantized: dict
 # but CPU attention is not bit-for-bit: with 9 query rows instead of 1 a row can differ by one bf16 ulp
 # (measured at 700 keys), and in bf16 that can flip a near-tie (int8 flipped one in one run of several).
 # So the lossless claim at bf16 is: speculation never changes a token the target chose with a clear
-# margin. W8A8 is off here: with it, a verify step of the two prompts (2 x (1 + 5) rows) reaches
-# W8A8_ROWS and runs int8 x int8, while plain decoding (2 rows) runs the weight-only kernel, so the two
-# runs differ by W8A8's rounding, not by speculation (measured with it on: int8 diverged at a 0.31-logit
-# margin). Speculation stays exact with respect to the kernels its verify runs; which kernels those are
-# depends on the rows in the step, as for any batch (tests/engine/quant/test_w8a8.py). Any divergence must sit at a near-tie of the target's own logits; a real verification bug
+# margin. Any divergence must sit at a near-tie of the target's own logits; a real verification bug
 # (a wrong accepted draft) diverges at a decided token and fails here.
+# W8A8 is off here: with it, a verify step of the two prompts (2 x (1 + 5) rows) reaches W8A8_ROWS and
+# runs int8 x int8, while plain decoding (2 rows) runs the weight-only kernel, so the two runs differ by
+# W8A8's rounding, not by speculation (measured with it on: int8 diverged at a 0.31-logit margin).
+# Speculation stays exact with respect to the kernels its verify runs; which kernels those are depends
+# on the rows in the step, as for any batch (tests/engine/quant/test_w8a8.py).
 NEAR_TIE_LOGITS = 0.25
 
 
