@@ -7,8 +7,10 @@
   projections' kernels, the attention kernel, the KV write, every other op), the time outside any op
   (Python: scheduler, batch building, sampling, the per-layer glue; estimated), and the top ops.
 - `projection_rows`: one layer's projections and the head, timed at M = 1..64 rows with the engine's
-  int4 kernel, int8 (`_weight_int8pack_mm`), bf16 `F.linear` on the dequantized weight, and what
-  dequantizing the int4 weight costs (the dense path `Int4Linear` takes at `DENSE_ROWS` rows).
+  int4 kernel, int8 (`_weight_int8pack_mm`), W8A8 (`torch._int_mm` on int8 codes, the activations'
+  per-row quantization and the int32 epilogue included: engine/quant/w8a8.py, which takes it from
+  `W8A8_ROWS` rows on), bf16 `F.linear` on the dequantized weight, and what dequantizing the int4 weight
+  costs (the dense path `Int4Linear` takes at `DENSE_ROWS` rows without W8A8).
   Weights stay in cache between repeats here, so these are the kernels' compute, not DRAM streaming.
 - `verify_row_cost`: a speculative verify's step time with k drafts against the 1-row step, per row
   (what `SpeculativeConfig.draft_row_cost` should be), at the first thread count.
@@ -27,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MATMUL_OPS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "mkldnn", "aten::mm", "aten::addmm", "aten::linear")
+MATMUL_OPS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "_int_mm", "mkldnn", "aten::mm", "aten::addmm",
+              "aten::linear")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
 
@@ -145,12 +148,13 @@ def _time_ms(fn: Callable[[], object], reps: int) -> float:
     return round(min(samples), 4)  # min: the machine is shared, and the kernel's own cost is the floor
 
 
-def projection_rows(model: Any, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> dict[str, Any]:
+def projection_rows(model: Any, rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16, 32, 64)) -> dict[str, Any]:
     """Layer 0's projections and the head of an int4 model, per kernel and row count (ms, min of repeats)."""
     import torch
     import torch.nn.functional as F
 
     from decodeservice.engine.quant.linear import Int4Linear, Int8Linear
+    from decodeservice.engine.quant.w8a8 import w8a8_mm
 
     layer = model.decoder_layers()[0]
     modules = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
@@ -162,13 +166,16 @@ def projection_rows(model: Any, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
         reps = 3 if name == "head" else 15
         dense = module.dense_weight()[: module.out_features].clone()  # (N, K) bf16
         int8 = Int8Linear(dense.float())
+        int8_scales = int8.scales.float()
         per_m: dict[str, Any] = {}
         for m in rows:
             x = torch.randn(m, module.in_features, generator=gen).to(dense.dtype)
             per_m[f"M={m}"] = {
                 "int4": _time_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, module.packed, module.group_size, module.scale_zeros), reps),  # noqa: B023
-                "int8": _time_ms(lambda: int8(x), reps),  # noqa: B023
+                "int8": _time_ms(lambda: torch.ops.aten._weight_int8pack_mm(
+                    x, int8.weight_int8, int8.scales), reps),  # noqa: B023
+                "w8a8": _time_ms(lambda: w8a8_mm(x, int8.weight_int8, int8_scales), reps),  # noqa: B023
                 "bf16": _time_ms(lambda: F.linear(x, dense), reps),  # noqa: B023
             }
         out[name] = {"shape": [module.out_features, module.in_features],
@@ -185,14 +192,16 @@ def main() -> int:
     parser.add_argument("--quantization", default="int4", choices=["none", "int8", "int4"])
     parser.add_argument("--threads", default="1,2", help="thread counts to profile, comma-separated")
     parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--w8a8", action=argparse.BooleanOptionalAction, default=True,
+                        help="EngineConfig.w8a8 for the profiled engine (default on)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
     engine = Engine.from_pretrained("smollm2-135m", quantization=args.quantization, enable_prefix_caching=False,
-                                    max_num_seqs=64, max_model_len=2048, kv_cache_gib=0.15)
+                                    max_num_seqs=64, max_model_len=2048, kv_cache_gib=0.15, w8a8=args.w8a8)
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}])
-    report: dict[str, Any] = {"quantization": engine.model.weight_format,
+    report: dict[str, Any] = {"quantization": engine.model.weight_format, "w8a8": args.w8a8,
                               "profile": profile(engine, prompt, threads=threads, streams=args.streams)}
     report["verify_row_cost"] = verify_row_cost(engine, prompt)
     if engine.model.weight_format == "int4":

@@ -42,7 +42,10 @@ ARTICLE = (
 PRECISIONS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "auto"),
               "int4": ("int4", "auto")}
 # engine_int4_compiled: EngineConfig(compile=True), single-stream steps through torch.compile.
-ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + ["engine_int4_compiled"]
+# engine_int4_no_w8a8: EngineConfig(w8a8=False): no int8 copy of the 4-bit weights, so batches run the
+# 4-bit kernel (its peak RSS against engine_int4's is what the copy costs).
+ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + ["engine_int4_compiled",
+                                                                                  "engine_int4_no_w8a8"]
 PEERS = ["hf_transformers", "llama_cpp"]
 
 
@@ -70,15 +73,16 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
 
     from decodeservice.engine import Engine, SamplingParams
 
-    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled")
+    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled").removesuffix("_no_w8a8")
     quantization, dtype = PRECISIONS[precision]
     spec = {"method": "ngram", "num_tokens": 8} if name.endswith("_spec") else None
     start = time.perf_counter()
     engine = Engine.from_pretrained("smollm2-135m", quantization=quantization, dtype=dtype, speculative=spec,
                                     enable_prefix_caching=False, max_num_seqs=64, max_model_len=2048,
-                                    kv_cache_gib=args.kv_cache_gib, compile=name.endswith("_compiled"))
+                                    kv_cache_gib=args.kv_cache_gib, compile=name.endswith("_compiled"),
+                                    w8a8=not name.endswith("_no_w8a8"))
     result: dict[str, Any] = {"load_s": time.perf_counter() - start, "weights": engine.model.weight_format,
-                              "activations": str(engine.dtype).removeprefix("torch."),
+                              "activations": str(engine.dtype).removeprefix("torch."), "w8a8": engine.config.w8a8,
                               "torch_threads": torch.get_num_threads()}
 
     def two_clocks(prompt: str, new_tokens: int) -> tuple[float, float]:
@@ -246,6 +250,12 @@ def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
             get("engine_int4", agg), get("llama_cpp", chat)),
         "int4_peak_rss_vs_fp32 (target <= 0.5)": ratio(get("engine_int4", "peak_rss_mib"),
                                                        get("engine_fp32", "peak_rss_mib")),
+        "int4_no_w8a8_peak_rss_vs_fp32": ratio(get("engine_int4_no_w8a8", "peak_rss_mib"),
+                                               get("engine_fp32", "peak_rss_mib")),
+        f"int4_no_w8a8_aggregate_{streams}_vs_own_single_stream": ratio(get("engine_int4_no_w8a8", agg),
+                                                                        get("engine_int4_no_w8a8", chat)),
+        "int4_w8a8_aggregate_vs_no_w8a8": ratio(get("engine_int4", agg), get("engine_int4_no_w8a8", agg)),
+        "int4_w8a8_ttft_vs_no_w8a8": ratio(get("engine_int4", "ttft_s"), get("engine_int4_no_w8a8", "ttft_s")),
         "int4_compiled_decode_vs_llama_cpp": ratio(get("engine_int4_compiled", chat), get("llama_cpp", chat)),
         "int4_compiled_decode_vs_int4": ratio(get("engine_int4_compiled", chat), get("engine_int4", chat)),
         "int4_decode_vs_fp32": ratio(get("engine_int4", chat), get("engine_fp32", chat)),

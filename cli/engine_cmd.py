@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--quantization", default=engine("quantization"), choices=["auto", "none", "int8", "int4"],
                         help="weight format (default %(default)s: the model's own, int4 for a Q4_0/Q4_1 GGUF on "
                              "CPU); int8 and int4 run on CPU")
+    parser.add_argument("--w8a8", action=argparse.BooleanOptionalAction, default=engine("w8a8"),
+                        help="int8/int4 weights: run batches and prompt chunks of 6+ rows as int8 activations "
+                             "x int8 weights (int4 keeps an int8 copy: +1 byte a weight); default %(default)s")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--compile", action="store_true",
@@ -81,7 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
         "quantization": args.quantization, "enable_prefix_caching": not args.no_prefix_caching,
-        "num_threads": args.num_threads, "compile": args.compile,
+        "num_threads": args.num_threads, "compile": args.compile, "w8a8": args.w8a8,
     }
     if args.speculative_method != "none":
         spec: dict[str, Any] = {"method": args.speculative_method, "num_tokens": args.num_speculative_tokens,

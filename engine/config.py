@@ -128,6 +128,21 @@ class EngineConfig:
     # Weights: none | int8 (per channel) | int4 (groups of 32) | auto, the source's own precision where
     # the kernels support it (the bundled Q4_1 GGUF: int4, loaded as 4-bit). See engine/quant.
     quantization: Literal["none", "int8", "int4", "auto"] = "auto"
+    # int8/int4 weights (CPU): projection calls of W8A8_ROWS (6) rows or more, i.e. decode batches of 6+
+    # streams, prompt chunks and long verifies, run int8 activations x int8 weights (engine/quant/w8a8.py).
+    # int8 weights use their own codes: no memory. int4 weights keep an int8 copy of every projection
+    # and the head: +1 byte a weight, +129 MiB for SmolLM2-135M (its 4-bit projections and head: 80 MiB).
+    # The trade-off, measured on the bundled int4 model with benchmarks/engine_vs_peers.py, on vs off in
+    # one run (benchmarks/results/engine_vs_peers_w8a8_cpu{1,2}.json, 1 / 2 threads): 32-stream aggregate
+    # 334 vs 193 / 474 vs 355 tokens/s, i.e. 6.2x / 6.3x its own single stream (which W8A8 does not
+    # touch); TTFT on ~550 tokens 0.84 vs 1.34 / 0.48 vs 0.75 s; peak RSS 964 vs 816 / 1084 vs 814 MiB,
+    # i.e. 0.57x / 0.64x fp32's against 0.48x, over the issue's 0.5x (it moves between runs: right after
+    # loading, 904-995 MiB with vs 778-810 without, in 5 and 3 loads). On by default: a server runs
+    # batches, and the copy is an eighth of the default 1 GiB CPU KV pool; false suits memory-bound
+    # single-stream use. Numerics: batches then round differently from 1-row steps (teacher-forced greedy
+    # agreement with fp32, tests/engine/test_quantized.py: int4 0.85 with W8A8 vs 0.87 without; int8
+    # 0.90 vs 0.95).
+    w8a8: bool = True
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as
@@ -162,6 +177,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be none, int8, int4 or auto, not {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError("dtype must be auto, float32, float16 or bfloat16")
+        if not isinstance(self.w8a8, bool):
+            raise ConfigError(f"w8a8 must be true or false, not {self.w8a8!r}")
         if self.compile and not self.device.startswith("cpu"):
             raise ConfigError(f"compile runs on CPU only (where it was measured), not on {self.device}")
         if self.cuda_graphs and not self.device.startswith("cuda"):

@@ -313,6 +313,6 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     # of projections about to be replaced by quantized modules is never touched, so never resident.
     model = model.to_empty(device=config.device)
     model.tie_weights()
-    model.load_hf_weights(weights, int4=int4, weight_format=precision.weights)
+    model.load_hf_weights(weights, int4=int4, weight_format=precision.weights, w8a8=config.w8a8)
     model.rotary.reset_tables(config.device)
     return model.eval()

