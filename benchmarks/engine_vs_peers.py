@@ -12,7 +12,8 @@ that variant's alone. Per variant:
 - for the default precision (int4), the torch.profiler breakdown of one decode step at 1 stream and at
   32, at 1 and 2 threads (benchmarks/decode_step.py, which also times each projection against rows).
 llama.cpp runs through llama-cpp-python (the optional `bench` extra), skipped with a note when it is
-not importable. Its high-level API decodes one sequence, so its 32-stream figure is not measured here.
+not importable; its 32-stream aggregate is llama.cpp's own batching of the 32 sequences in one context,
+as llama-server -np 32 runs it (benchmarks/llama_cpp_batched.py, through the C API).
 The summary quotes every target of issue 13 as a ratio measured in this one run. Medians over repeats.
 """
 
@@ -42,10 +43,11 @@ ARTICLE = (
 PRECISIONS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "auto"),
               "int4": ("int4", "auto")}
 # engine_int4_compiled: EngineConfig(compile=True), single-stream steps through torch.compile.
-# engine_int4_no_w8a8: EngineConfig(w8a8=False): no int8 copy of the 4-bit weights, so batches run the
-# 4-bit kernel (its peak RSS against engine_int4's is what the copy costs).
-ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + ["engine_int4_compiled",
-                                                                                  "engine_int4_no_w8a8"]
+# engine_int4_w8a8 / engine_int8_w8a8: EngineConfig(w8a8=True), the opt-in: batches of 6+ rows run int8
+# activations x int8 weights; int4 keeps an int8 copy of its 4-bit weights for it (its peak RSS against
+# engine_int4's is what the copy costs), int8 uses its own codes.
+ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + [
+    "engine_int4_compiled", "engine_int4_w8a8", "engine_int8_w8a8"]
 PEERS = ["hf_transformers", "llama_cpp"]
 
 
@@ -73,14 +75,14 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
 
     from decodeservice.engine import Engine, SamplingParams
 
-    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled").removesuffix("_no_w8a8")
+    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled").removesuffix("_w8a8")
     quantization, dtype = PRECISIONS[precision]
     spec = {"method": "ngram", "num_tokens": 8} if name.endswith("_spec") else None
     start = time.perf_counter()
     engine = Engine.from_pretrained("smollm2-135m", quantization=quantization, dtype=dtype, speculative=spec,
                                     enable_prefix_caching=False, max_num_seqs=64, max_model_len=2048,
                                     kv_cache_gib=args.kv_cache_gib, compile=name.endswith("_compiled"),
-                                    w8a8=not name.endswith("_no_w8a8"))
+                                    w8a8=name.endswith("_w8a8"))
     result: dict[str, Any] = {"load_s": time.perf_counter() - start, "weights": engine.model.weight_format,
                               "activations": str(engine.dtype).removeprefix("torch."), "w8a8": engine.config.w8a8,
                               "torch_threads": torch.get_num_threads()}
@@ -170,6 +172,14 @@ def hf_variant(prompts: dict[str, str], args: argparse.Namespace) -> dict[str, A
     for key in ("summarize", "chat"):
         result[f"decode_tokens_per_s_{key}"] = statistics.median(
             two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats))
+    if args.streams > 1:
+        from llama_cpp_batched import aggregate_tokens_per_s
+
+        # Single-stream serving's peak, before the batched run's second model and 32-sequence context.
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        batched_run = aggregate_tokens_per_s(path, [f"{i}: {prompts['chat']}" for i in range(args.streams)],
+                                             decode_tokens=args.decode_tokens, threads=args.threads)
+        result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched_run["aggregate_tokens_per_s"]
     return result
 
 
@@ -200,12 +210,20 @@ def llama_cpp_variant(prompts: dict[str, str], args: argparse.Namespace) -> dict
     two_clocks(prompts["chat"], 8)
     result: dict[str, Any] = {"version": llama_cpp.__version__, "weights": "gguf Q4_1 (its own kernels)",
                               "threads": args.threads,
-                              "streams_note": "llama-cpp-python's Llama decodes one sequence; its server "
-                                              "(not installed here) was not run, so no 32-stream figure"}
+                              "streams_note": "aggregate: llama.cpp's own batching of N sequences in one "
+                                              "context, as llama-server -np N does (llama_cpp_batched.py)"}
     result["ttft_s"] = statistics.median(two_clocks(prompts["summarize"], 2)[0] for _ in range(args.repeats))
     for key in ("summarize", "chat"):
         result[f"decode_tokens_per_s_{key}"] = statistics.median(
             two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats))
+    if args.streams > 1:
+        from llama_cpp_batched import aggregate_tokens_per_s
+
+        # Single-stream serving's peak, before the batched run's second model and 32-sequence context.
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        batched_run = aggregate_tokens_per_s(path, [f"{i}: {prompts['chat']}" for i in range(args.streams)],
+                                             decode_tokens=args.decode_tokens, threads=args.threads)
+        result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched_run["aggregate_tokens_per_s"]
     return result
 
 
@@ -246,16 +264,21 @@ def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
         "int4_ttft_vs_llama_cpp (target <= 0.5)": ratio(get("engine_int4", "ttft_s"), get("llama_cpp", "ttft_s")),
         f"int4_aggregate_{streams}_vs_own_single_stream (target >= 8)": ratio(get("engine_int4", agg),
                                                                                get("engine_int4", chat)),
-        f"int4_aggregate_{streams}_vs_llama_cpp_single_stream (target >= 3 x its server; see note)": ratio(
-            get("engine_int4", agg), get("llama_cpp", chat)),
+        f"int4_aggregate_{streams}_vs_llama_cpp_{streams}_streams (target >= 3)": ratio(
+            get("engine_int4", agg), get("llama_cpp", agg)),
+        f"int4_aggregate_{streams}_vs_llama_cpp_single_stream": ratio(get("engine_int4", agg), get("llama_cpp", chat)),
+        f"int4_w8a8_aggregate_{streams}_vs_llama_cpp_{streams}_streams": ratio(get("engine_int4_w8a8", agg),
+                                                                               get("llama_cpp", agg)),
         "int4_peak_rss_vs_fp32 (target <= 0.5)": ratio(get("engine_int4", "peak_rss_mib"),
                                                        get("engine_fp32", "peak_rss_mib")),
-        "int4_no_w8a8_peak_rss_vs_fp32": ratio(get("engine_int4_no_w8a8", "peak_rss_mib"),
-                                               get("engine_fp32", "peak_rss_mib")),
-        f"int4_no_w8a8_aggregate_{streams}_vs_own_single_stream": ratio(get("engine_int4_no_w8a8", agg),
-                                                                        get("engine_int4_no_w8a8", chat)),
-        "int4_w8a8_aggregate_vs_no_w8a8": ratio(get("engine_int4", agg), get("engine_int4_no_w8a8", agg)),
-        "int4_w8a8_ttft_vs_no_w8a8": ratio(get("engine_int4", "ttft_s"), get("engine_int4_no_w8a8", "ttft_s")),
+        "int4_w8a8_peak_rss_vs_fp32": ratio(get("engine_int4_w8a8", "peak_rss_mib"), get("engine_fp32", "peak_rss_mib")),
+        f"int4_w8a8_aggregate_{streams}_vs_own_single_stream": ratio(get("engine_int4_w8a8", agg),
+                                                                     get("engine_int4_w8a8", chat)),
+        "int4_w8a8_aggregate_vs_int4": ratio(get("engine_int4_w8a8", agg), get("engine_int4", agg)),
+        "int4_w8a8_ttft_vs_int4": ratio(get("engine_int4_w8a8", "ttft_s"), get("engine_int4", "ttft_s")),
+        f"int8_aggregate_{streams}_vs_own_single_stream": ratio(get("engine_int8", agg), get("engine_int8", chat)),
+        f"int8_w8a8_aggregate_{streams}_vs_own_single_stream": ratio(get("engine_int8_w8a8", agg),
+                                                                     get("engine_int8_w8a8", chat)),
         "int4_compiled_decode_vs_llama_cpp": ratio(get("engine_int4_compiled", chat), get("llama_cpp", chat)),
         "int4_compiled_decode_vs_int4": ratio(get("engine_int4_compiled", chat), get("engine_int4", chat)),
         "int4_decode_vs_fp32": ratio(get("engine_int4", chat), get("engine_fp32", chat)),

@@ -132,17 +132,20 @@ class EngineConfig:
     # streams, prompt chunks and long verifies, run int8 activations x int8 weights (engine/quant/w8a8.py).
     # int8 weights use their own codes: no memory. int4 weights keep an int8 copy of every projection
     # and the head: +1 byte a weight, +129 MiB for SmolLM2-135M (its 4-bit projections and head: 80 MiB).
-    # The trade-off, measured on the bundled int4 model with benchmarks/engine_vs_peers.py, on vs off in
-    # one run (benchmarks/results/engine_vs_peers_w8a8_cpu{1,2}.json, 1 / 2 threads): 32-stream aggregate
+    # Measured on the bundled int4 model with benchmarks/engine_vs_peers.py, on vs off in one run
+    # (benchmarks/results/engine_vs_peers_w8a8_cpu{1,2}.json, 1 / 2 threads): 32-stream aggregate
     # 334 vs 193 / 474 vs 355 tokens/s, i.e. 6.2x / 6.3x its own single stream (which W8A8 does not
     # touch); TTFT on ~550 tokens 0.84 vs 1.34 / 0.48 vs 0.75 s; peak RSS 964 vs 816 / 1084 vs 814 MiB,
-    # i.e. 0.57x / 0.64x fp32's against 0.48x, over the issue's 0.5x (it moves between runs: right after
-    # loading, 904-995 MiB with vs 778-810 without, in 5 and 3 loads). On by default: a server runs
-    # batches, and the copy is an eighth of the default 1 GiB CPU KV pool; false suits memory-bound
-    # single-stream use. Numerics: batches then round differently from 1-row steps (teacher-forced greedy
-    # agreement with fp32, tests/engine/test_quantized.py: int4 0.85 with W8A8 vs 0.87 without; int8
-    # 0.90 vs 0.95).
-    w8a8: bool = True
+    # i.e. 0.57x / 0.64x fp32's against 0.48x.
+    # Off by default, for what it costs besides memory: (1) a stream's tokens then depend on its batch
+    # (1 row: the weight-only kernel, 6+: int8 activations; 8 int4 streams together vs alone agreed on
+    # 42% of 32 greedy tokens), so speculative decoding is no longer exact against plain decoding (a
+    # verify of 6+ rows rounds as a batch); (2) int8 weights fall under the 0.9 greedy agreement with
+    # fp32 that the weight-only path keeps (0.90 vs 0.95; int4 0.85 vs 0.87, tests/engine/test_quantized.py);
+    # (3) at int4 the copy grows with the model (+8 GiB for an 8B model), which a pod sized for its 4-bit
+    # weights would not have. Throughput-bound deployments that accept int8 activations (llama.cpp
+    # quantizes its activations to 8 bits on every step) turn it on: `decodectl engine --w8a8`.
+    w8a8: bool = False
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = None
     # fp32 on CPU: pack the weights once for oneDNN (see engine.model.Linear). False leaves the model as

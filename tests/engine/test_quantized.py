@@ -218,7 +218,7 @@ POSITIONS = 64
 @pytest.fixture(scope="module")
 def quantized(bundled_gguf_path: Path, bundled: ModelBundle) -> dict[str, ModelBundle]:
     """int4 straight from the file's Q4_1 codes, and int8 from the same file; one load for all. Keys
-    "int4", "int8": the weight-only kernels alone (w8a8 off); "int4+w8a8", "int8+w8a8": the default, with
+    "int4", "int8": the weight-only kernels alone (w8a8 off); "int4+w8a8", "int8+w8a8": with the opt-in `w8a8`,
     calls of W8A8_ROWS rows or more (every teacher-forced prompt here) run int8 x int8."""
     native: LoadedModel = load_model(bundled_gguf_path, dtype=torch.float32, native_int4=True)
     return {f"{fmt}{'+w8a8' if w8a8 else ''}": ModelBundle(
