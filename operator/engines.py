@@ -83,6 +83,8 @@ def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     if engine.gpu_memory_fraction is not None:
         args += ["--gpu-memory-fraction", _num(engine.gpu_memory_fraction)]
     args += ["--quantization", engine.quantization.value]
+    if engine.w8a8:
+        args.append("--w8a8")
     spec = engine.speculative
     if spec.method is not SpecMethod.NONE:
         args += ["--speculative-method", spec.method.value, "--num-speculative-tokens", str(spec.num_tokens)]

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from decodeservice.engine.config import SpeculativeConfig, field_default
+from decodeservice.engine.config import EngineConfig, SpeculativeConfig, field_default
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
@@ -95,6 +95,9 @@ class EngineSpec(_Model):
     kv_cache_gib: float | None = Field(None, gt=0, alias="kvCacheGiB")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
     quantization: Quantization = Quantization.AUTO
+    # The builtin engine's `--w8a8` (EngineConfig.w8a8 has the trade-off): int8 activations for batches
+    # on int8/int4 weights; with int4 the pod holds an int8 copy of the weights (+1 byte a weight).
+    w8a8: bool = field_default(EngineConfig, "w8a8")
     speculative: SpeculativeSpec = Field(default_factory=lambda: SpeculativeSpec.model_validate({}))
     extra_args: tuple[str, ...] = ()
 
@@ -332,10 +335,16 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
         if engine.kv_cache_gib is not None:
             raise InvalidSpecError("spec.engine.kvCacheGiB: the vllm engine sizes its cache with "
                                    "gpuMemoryFraction")
+        if engine.w8a8:
+            raise InvalidSpecError("spec.engine.w8a8: a builtin-engine mode; vLLM picks its kernels from the "
+                                   "model's quantization")
     if (engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0
             and engine.quantization in (Quantization.INT8, Quantization.INT4)):
         # The engine's int8/int4 kernels are CPU ones: the pod would fail at start-up, every time.
         raise InvalidSpecError(f"spec.engine.quantization: {engine.quantization.value} runs on CPU only; with "
                                "resources.gpus > 0 use auto or none (bf16 weights on the GPU)")
+    if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.w8a8:
+        raise InvalidSpecError("spec.engine.w8a8: runs on the CPU's int8 kernels; with resources.gpus > 0 the "
+                               "engine runs bf16 weights, so leave it false")
     if engine.gpu_memory_fraction is not None and spec.resources.gpus == 0:
         raise InvalidSpecError("spec.engine.gpuMemoryFraction: needs resources.gpus > 0; use kvCacheGiB on CPU")

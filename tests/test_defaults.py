@@ -13,7 +13,7 @@ import yaml
 from decodeservice.cli.main import build_parser
 from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, SpeculativeConfig, field_default
 from decodeservice.engine.server.settings import ServerSettings
-from decodeservice.operator.spec import SpeculativeSpec
+from decodeservice.operator.spec import EngineSpec, SpeculativeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = [ROOT / "crds" / "decodeservice.yaml", ROOT / "charts" / "decodeservice-operator" / "crds" / "decodeservice.yaml"]
@@ -64,6 +64,14 @@ def test_crd_draft_count_is_the_engine_default(path: Path) -> None:
     default = field_default(SpeculativeConfig, "num_tokens")
     assert _crd_speculative(path)["properties"]["numTokens"]["default"] == default
     assert SpeculativeSpec().num_tokens == default
+
+
+@pytest.mark.parametrize("path", CRDS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_crd_w8a8_is_the_engine_default(path: Path) -> None:
+    crd = yaml.safe_load(path.read_text())
+    engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+    assert engine["properties"]["w8a8"]["default"] is field_default(EngineConfig, "w8a8")
+    assert EngineSpec().w8a8 is field_default(EngineConfig, "w8a8")
 
 
 def test_readme_states_the_config_defaults() -> None:

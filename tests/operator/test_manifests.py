@@ -153,6 +153,11 @@ def test_node_selector_tolerations_and_extra_args() -> None:
     assert flag(engine["args"], "--device") == "cuda" and engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
+def test_w8a8_reaches_the_engine_only_when_asked() -> None:
+    assert "--w8a8" not in container(render(minimal()), "engine")["args"]
+    assert "--w8a8" in container(render(minimal(engine={"w8a8": True})), "engine")["args"]
+
+
 def test_build_is_pure_and_options_apply() -> None:
     body = minimal()
     snapshot = copy.deepcopy(body)
@@ -170,6 +175,9 @@ def test_build_is_pure_and_options_apply() -> None:
     (minimal(engine={"kind": "vllm", "quantization": "int8"}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "pre-quantized"),
     (minimal(engine={"quantization": "int4"}, resources={"gpus": 1}), "int4 runs on CPU only"),
+    (minimal(engine={"w8a8": True}, resources={"gpus": 1}), "spec.engine.w8a8: runs on the CPU"),
+    (minimal(engine={"kind": "vllm", "w8a8": True}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
+     "spec.engine.w8a8: a builtin-engine mode"),
     (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
     (minimal(model={"uri": "pvc://a/m"}, engine={"speculative": {"method": "draft", "draftModel": "pvc://b/d"}}),
      "must live on the model's claim"),
