@@ -139,13 +139,19 @@ def test_gather_on_cuda_equals_dense_reference(dtype: torch.dtype) -> None:
     backend = backend_for(torch.device("cuda"))  # no pool size given: the portable backend
     assert isinstance(backend, GatherBackend)
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
+    out = attend_on_cuda(backend, step, dtype, q, k, v, k_cache, v_cache)
+    torch.testing.assert_close(out.double().cpu(), reference, atol=3e-2, rtol=0)
+
+
+def attend_on_cuda(backend: AttentionBackend, step: StepAttention, dtype: torch.dtype,
+                   *tensors: torch.Tensor) -> torch.Tensor:
+    """The CPU-built step (q, k, v, k_cache, v_cache and its metadata) moved to CUDA, planned and run."""
     meta = step.meta
     cuda_meta = AttentionMetadata(
         slot_mapping=meta.slot_mapping.cuda(), block_size=meta.block_size,
         spans=tuple(dataclasses.replace(s, block_table=s.block_table.cuda()) for s in meta.spans))
-    step = StepAttention(meta=backend.plan(cuda_meta, dtype=dtype), backend=backend)
-    out = attend(q.cuda(), k.cuda(), v.cuda(), k_cache.cuda(), v_cache.cuda(), step)
-    torch.testing.assert_close(out.double().cpu(), reference, atol=3e-2, rtol=0)
+    q, k, v, k_cache, v_cache = (t.cuda() for t in tensors)
+    return attend(q, k, v, k_cache, v_cache, StepAttention(meta=backend.plan(cuda_meta, dtype=dtype), backend=backend))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: flex attention's fused Triton "
@@ -159,10 +165,5 @@ def test_flex_compiled_on_cuda_equals_dense_reference(dtype: torch.dtype) -> Non
     assert isinstance(backend, FlexPagedBackend) and backend.compiled
     for seed in (0, 1):
         step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, seed, block_size=16, head_dim=64)
-        meta = step.meta
-        cuda_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping.cuda(), block_size=meta.block_size,
-            spans=tuple(dataclasses.replace(s, block_table=s.block_table.cuda()) for s in meta.spans))
-        step = StepAttention(meta=backend.plan(cuda_meta, dtype=dtype), backend=backend)
-        out = attend(q.cuda(), k.cuda(), v.cuda(), k_cache.cuda(), v_cache.cuda(), step)
+        out = attend_on_cuda(backend, step, dtype, q, k, v, k_cache, v_cache)
         torch.testing.assert_close(out.double().cpu(), reference, atol=3e-2, rtol=0)
