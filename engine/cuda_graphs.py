@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from decodeservice.engine.attention import AttentionMetadata, StepAttention
-from decodeservice.engine.attention.flex import FlexPagedBackend, PageMap, block_mask_for, cdiv, page_tables
+from decodeservice.engine.attention.flex import FlexPagedBackend, PageMap, block_mask_for, page_tables
+from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
 from decodeservice.engine.scheduler import ScheduledSequence
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
+from decodeservice.engine.kv_cache import cdiv
 
 MIN_CONTEXT = 1536  # keys; below this the flash kernel was as fast or faster in the engine
 # Query tokens (a decode is 1, a verify 1 + drafts): the GEMMs grow with H * Q rows and the kernel's
@@ -60,7 +61,7 @@ def attend_matmul(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, r
     # its probabilities are exactly 0. (Stale slots hold finite values: the pool starts zeroed and
     # receives only K/V the model computed.)
     last = runs[-1]
-    padded = min(-(-last.length // block_size) * block_size, k_flat.shape[0] - last.first_slot)
+    padded = min(cdiv(last.length, block_size) * block_size, k_flat.shape[0] - last.first_slot)
     spans = [(r.first_slot, r.length) for r in runs[:-1]] + [(last.first_slot, padded)]
     width = sum(n for _, n in spans)
     context = width - (padded - last.length)

@@ -48,6 +48,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan
 from decodeservice.engine.errors import ConfigError
+from decodeservice.engine.kv_cache import cdiv
 
 # Queries per sparse tile: flex's default. A decode or verify step is one tile per sequence.
 Q_TILE = 128
@@ -55,10 +56,6 @@ Q_TILE = 128
 MIN_CUDA_BLOCK_SIZE = 16
 # The fused kernel's key tile (BLOCK_N) may not exceed a page: it must divide the sparse block size.
 MAX_KEY_TILE = 64
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PageMap:

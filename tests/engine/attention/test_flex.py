@@ -23,9 +23,10 @@ from decodeservice.engine.attention import (
     backend_for,
     slot_runs,
 )
-from decodeservice.engine.attention.flex import Q_TILE, FlexPagedBackend, PageMap, cdiv
+from decodeservice.engine.attention.flex import Q_TILE, FlexPagedBackend, PageMap
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.errors import ConfigError
+from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.runner import ModelRunner
 from tests.conftest import ModelBundle
 from tests.engine.attention.test_backends import BS, NUM_BLOCKS, SEQUENCES, build_step
