@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decodeservice.engine.attention import AttentionMetadata, StepAttention
+from decodeservice.engine.attention import AttentionMetadata, StepAttention, slot_of
 from decodeservice.engine.attention.flex import FlexPagedBackend, PageMap, block_mask_for, page_tables
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
@@ -73,7 +73,7 @@ def decode_rows(scheduled: Seq[ScheduledSequence], *, block_size: int, bucket: i
         seq, p = item.seq, item.seq.num_computed_tokens
         ids.append(seq.token_ids[p])
         positions.append(p)
-        slots.append(seq.block_ids[p // block_size] * block_size + p % block_size)
+        slots.append(slot_of(seq.block_ids, p, block_size))
         tables.append(seq.block_ids[: cdiv(p + 1, block_size)])
     pad = bucket - len(scheduled)  # copies of row 0: same K/V to the same slot (module docstring)
     return DecodeRows(num_real=len(scheduled), input_ids=ids + ids[:1] * pad, positions=positions + positions[:1] * pad,

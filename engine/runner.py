@@ -13,6 +13,7 @@ from decodeservice.engine.attention import (
     SequenceSpan,
     StepAttention,
     backend_for,
+    slot_of,
     slot_runs,
 )
 from decodeservice.engine.compiled_step import CompiledDecodeStep
@@ -110,7 +111,7 @@ class ModelRunner:
             input_ids.extend(tokens[first : first + count])
             positions.extend(range(first, first + count))
             blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(first, first + count))
+            slots.extend(slot_of(blocks, p, bs) for p in range(first, first + count))
             num_rows = item.num_spec_tokens + 1 if item.completes_prompt else 0
             logits_index.extend(range(start + count - num_rows, start + count))
             row_counts.append(num_rows)

@@ -10,10 +10,16 @@ from dataclasses import dataclass
 import torch
 
 from decodeservice.engine.attention.backend import AttentionBackend, backend_for
-from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, slot_runs
+from decodeservice.engine.attention.metadata import (
+    AttentionMetadata,
+    SequenceSpan,
+    SlotRun,
+    slot_of,
+    slot_runs,
+)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "SequenceSpan", "SlotRun", "StepAttention", "attend",
-           "backend_for", "slot_runs"]
+           "backend_for", "slot_of", "slot_runs"]
 
 
 @dataclass(frozen=True, kw_only=True)

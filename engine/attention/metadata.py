@@ -52,6 +52,11 @@ class AttentionMetadata:
     short_group: ShortGroup | None = None
 
 
+def slot_of(block_ids: Seq[int], position: int, block_size: int) -> int:
+    """The pool slot that holds the K/V of `position` in a sequence with this block table."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 def slot_runs(block_ids: Seq[int], *, num_tokens: int, block_size: int) -> tuple[SlotRun, ...]:
     """Split the first `num_tokens` keys of a block table into runs of consecutive pool slots.
 
