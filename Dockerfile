@@ -29,6 +29,8 @@ RUN decodectl models pull smollm2-135m --cache-dir /opt/models
 FROM python:${PYTHON_VERSION}-slim
 LABEL org.opencontainers.image.source="https://github.com/decodeservice/decodeservice" \
       org.opencontainers.image.description="DecodeService: engine, proxy and operator"
+# g++: `compile: true` (engine/compiled_step.py) has inductor build the decode step's kernels at start-up.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 decode && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin decode
 COPY --from=build /opt/venv /opt/venv
 COPY --from=models /opt/models /opt/models

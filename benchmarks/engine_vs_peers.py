@@ -42,12 +42,14 @@ ARTICLE = (
 )
 PRECISIONS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "auto"),
               "int4": ("int4", "auto")}
-# engine_int4_compiled: EngineConfig(compile=True), single-stream steps through torch.compile.
-# engine_int4_w8a8 / engine_int8_w8a8: EngineConfig(w8a8=True), the opt-in: batches of 6+ rows run int8
-# activations x int8 weights; int4 keeps an int8 copy of its 4-bit weights for it (its peak RSS against
-# engine_int4's is what the copy costs), int8 uses its own codes.
+# Suffixes, combinable in this order: _w8a8, EngineConfig(w8a8=True), the opt-in: batches of 6+ rows run
+# int8 activations x int8 weights; int4 keeps an int8 copy of its 4-bit weights for it (its peak RSS against
+# engine_int4's is what the copy costs), int8 uses its own codes. _compiled, EngineConfig(compile=True):
+# decode steps of up to 64 rows as one torch.compile graph (engine/compiled_step.py). _spec: n-gram drafts.
 ENGINE_VARIANTS = [f"engine_{p}{s}" for p in PRECISIONS for s in ("", "_spec")] + [
-    "engine_int4_compiled", "engine_int4_w8a8", "engine_int8_w8a8"]
+    "engine_int4_compiled", "engine_int8_compiled", "engine_int4_w8a8", "engine_int8_w8a8",
+    "engine_int4_w8a8_compiled", "engine_int8_w8a8_compiled"]
+SUFFIXES = ("w8a8", "compiled", "spec")
 PEERS = ["hf_transformers", "llama_cpp"]
 
 
@@ -75,14 +77,16 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
 
     from decodeservice.engine import Engine, SamplingParams
 
-    precision = name.removeprefix("engine_").removesuffix("_spec").removesuffix("_compiled").removesuffix("_w8a8")
+    precision, *suffixes = name.removeprefix("engine_").split("_")
+    if precision not in PRECISIONS or not set(suffixes) <= set(SUFFIXES):
+        raise SystemExit(f"unknown variant {name!r}: engine_<{'|'.join(PRECISIONS)}>[_w8a8][_compiled][_spec]")
     quantization, dtype = PRECISIONS[precision]
-    spec = {"method": "ngram", "num_tokens": 8} if name.endswith("_spec") else None
+    spec = {"method": "ngram", "num_tokens": 8} if "spec" in suffixes else None
     start = time.perf_counter()
     engine = Engine.from_pretrained("smollm2-135m", quantization=quantization, dtype=dtype, speculative=spec,
                                     enable_prefix_caching=False, max_num_seqs=64, max_model_len=2048,
-                                    kv_cache_gib=args.kv_cache_gib, compile=name.endswith("_compiled"),
-                                    w8a8=name.endswith("_w8a8"))
+                                    kv_cache_gib=args.kv_cache_gib, compile="compiled" in suffixes,
+                                    w8a8="w8a8" in suffixes)
     result: dict[str, Any] = {"load_s": time.perf_counter() - start, "weights": engine.model.weight_format,
                               "activations": str(engine.dtype).removeprefix("torch."), "w8a8": engine.config.w8a8,
                               "torch_threads": torch.get_num_threads()}
@@ -105,7 +109,7 @@ def engine_variant(name: str, prompts: dict[str, str], args: argparse.Namespace)
     for key in ("summarize", "chat"):
         rates = [two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats)]
         result[f"decode_tokens_per_s_{key}"] = statistics.median(rates)
-    if spec is None and args.streams > 1 and not name.endswith("_compiled"):  # compiled: 1-row steps only
+    if spec is None and args.streams > 1:
         result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched(engine, prompts["chat"], args)
     if name == f"engine_{args.profile}":
         from decode_step import profile
@@ -281,6 +285,17 @@ def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
                                                                      get("engine_int8_w8a8", chat)),
         "int4_compiled_decode_vs_llama_cpp": ratio(get("engine_int4_compiled", chat), get("llama_cpp", chat)),
         "int4_compiled_decode_vs_int4": ratio(get("engine_int4_compiled", chat), get("engine_int4", chat)),
+        "int8_compiled_decode_vs_llama_cpp": ratio(get("engine_int8_compiled", chat), get("llama_cpp", chat)),
+        f"int4_compiled_aggregate_{streams}_vs_own_single_stream": ratio(get("engine_int4_compiled", agg),
+                                                                         get("engine_int4_compiled", chat)),
+        f"int4_w8a8_compiled_aggregate_{streams}_vs_own_single_stream": ratio(
+            get("engine_int4_w8a8_compiled", agg), get("engine_int4_w8a8_compiled", chat)),
+        f"int4_w8a8_compiled_aggregate_{streams}_vs_llama_cpp_{streams}_streams": ratio(
+            get("engine_int4_w8a8_compiled", agg), get("llama_cpp", agg)),
+        f"int8_w8a8_compiled_aggregate_{streams}_vs_own_single_stream": ratio(
+            get("engine_int8_w8a8_compiled", agg), get("engine_int8_w8a8_compiled", chat)),
+        f"int8_w8a8_compiled_aggregate_{streams}_vs_llama_cpp_{streams}_streams": ratio(
+            get("engine_int8_w8a8_compiled", agg), get("llama_cpp", agg)),
         "int4_decode_vs_fp32": ratio(get("engine_int4", chat), get("engine_fp32", chat)),
         "int4_decode_vs_hf_transformers": ratio(get("engine_int4", chat), get("hf_transformers", chat)),
     }

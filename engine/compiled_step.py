@@ -1,87 +1,121 @@
-"""The single-row decode step with its non-attention work compiled by torch.compile (inductor, CPU).
+"""Decode steps (one token per sequence, or a short verify) as one torch.compile graph (inductor, CPU).
 
-Between two attentions a layer runs o_proj, a residual add, a norm, the MLP, another residual add, and
-then the next layer's norm, QKV projection and rope: a dozen small elementwise kernels around four
-matmuls, each paying Python and dispatch per call at one row. Compiled as one graph per layer boundary
-(attention stays eager: it reads the step's Python metadata), those fuse into a few kernels around the
-same weight-only matmuls. Measured (benchmarks/decode_compile.py, int4, 1 thread): the forward of one
-row 12.35 vs 13.61 ms eager (min of 15), ~2 s to compile; no gain at 32 rows (141.7 vs 138.9 ms, within
-noise), and the same layout compiled for a symbolic batch was slower there. So only steps of exactly one
-row take it (one stream decoding; dynamo specializes size 1 anyway), and everything else runs eager.
+Eager, a layer at one row is four weight-only matmuls among a dozen small elementwise kernels, each
+paying Python and dispatch. Compiled, the elementwise work between two attentions fuses into a few
+kernels, and the whole step, all layers, is one graph: one guard check and one call from Python.
 
-Numerics: the fused kernels round bf16 intermediates differently from eager (final hidden states
-differ by up to ~0.2 in bf16 on the bundled model, the greedy tokens did not change), so a compiled
-engine is deterministic but not bit-identical to an eager one.
+Attention stays outside inductor: it reads the step's Python metadata (which blocks, which spans) and
+writes the pool. It is one opaque op, `decodeservice::paged_attention(q, k, v, layer)`, which finds the
+step's caches and metadata in a context variable the step sets around the call (vLLM compiles its
+models the same way, with attention as a custom op reading a per-step forward context). The op's only
+side effect is on layer `layer`'s pool, which nothing else in the graph touches, so the graph may
+reorder freely around it.
+
+Shapes: one graph for one row (a single stream), one with a symbolic row count for 2..MAX_ROWS rows;
+a branch on the row count inside a projection (W8A8 from W8A8_ROWS rows) splits the latter in two.
+Prompt chunks (more rows) run eager: their time is in large GEMMs, where fusion saves nothing.
+
+Numerics: fused kernels round bf16 intermediates differently from eager (final hidden states differ by
+up to ~0.2 in bf16 on the bundled model), so a compiled engine is deterministic but not bit-identical to
+an eager one.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 
-from decodeservice.engine.attention import attend
+from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.errors import ConfigError
-from decodeservice.engine.model import DecoderLayer, ForwardBatch, Linear, LlamaModel
+from decodeservice.engine.model import ForwardBatch, Linear, LlamaModel
 
-Rope = tuple[torch.Tensor, torch.Tensor]
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
+# Steps of at most this many rows run compiled: decode batches up to max_num_seqs' default, and verifies.
+MAX_ROWS = 64
 
-def _enter(layer: DecoderLayer, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer.self_attn.project(layer.input_layernorm(h), rope)
-
-
-def _leave(layer: DecoderLayer, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    # attended: (N, H, D) -> the layer's output (N, C)
-    h = h + layer.self_attn.o_proj(attended.reshape(h.shape[0], layer.self_attn.q_size))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+_STEP: ContextVar[tuple[KVCaches, StepAttention]] = ContextVar("decodeservice_compiled_step")
 
 
-def _boundary(layer: DecoderLayer, after: DecoderLayer, h: torch.Tensor, attended: torch.Tensor, rope: Rope
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    h = _leave(layer, h, attended)
-    return (h, *_enter(after, h, rope))
+@torch.library.custom_op("decodeservice::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """q (N, H, D), k/v (N, Hkv, D) -> (N, H, D), contiguous: layer `layer`'s attention of the running step."""
+    kv_caches, step = _STEP.get()
+    return attend(q, k, v, *kv_caches[layer], step).contiguous()
 
 
-class CompiledDecodeStep:
-    """`model.forward` for a one-row batch, with the layer boundaries compiled. Same contract."""
+@paged_attention.register_fake
+def _paged_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _attend_through_op(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.decodeservice.paged_attention(q, k, v, layer)
+    return out
+
+
+# Guards run before every call. By default they check each of the model's ~550 weight tensors and every
+# module's attributes: 1.4 ms a step for this 30-layer model, a tenth of a one-row step. The weights never
+# change after loading, so modules are checked by their dicts' version tags (0.4 ms). Applies when dynamo
+# builds the guards, i.e. while it compiles, hence around every call (a recompile builds new ones).
+_WEIGHTS_FIXED_GUARDS = torch._dynamo.config.patch(
+    guard_nn_modules=False, use_recursive_dict_tags_for_guards=True,
+    max_saved_pointers_for_recursive_dict_tags_check=4096)
+
+
+class CompiledStep:
+    """`model.forward` for steps of at most MAX_ROWS rows, compiled. Same contract."""
 
     def __init__(self, model: LlamaModel) -> None:
         if any(isinstance(m, Linear) and m.packed is not None for m in model.modules()):
             # Inductor's lowering of mkldnn._linear_pointwise asserts on weights it did not pack itself.
             raise ConfigError("compile needs quantized weights (int4 or int8), or fp32 without oneDNN "
                               "packing (pack_cpu_weights=False): inductor cannot compile the packed ones")
+        compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+        if not any(shutil.which(c) for c in compilers if c):
+            raise ConfigError("compile needs a C++ compiler on PATH (inductor builds the step's kernels at "
+                              "start-up): install g++, or set CXX, or turn compile off")
         self.model = model
-        # dynamic=False: one graph per piece for N = 1. The layers share each graph (their modules are
-        # graph inputs), so 30 layers still compile three graphs.
         with warnings.catch_warnings():
             # torch 2.13's inductor imports torch.utils.mkldnn, which uses its own deprecated
             # torch.jit.script_method at import time: nothing this engine calls.
             warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
                                     category=DeprecationWarning)
             import torch._inductor.compile_fx
-        compile_fn: Callable[[Any], Any] = torch.compile(dynamic=False)
-        self._enter, self._boundary, self._leave = compile_fn(_enter), compile_fn(_boundary), compile_fn(_leave)
+        # cpp_wrapper: the graph's calls (120 matmuls, 30 attention ops, the fused kernels) are made from
+        # generated C++, not from a Python wrapper: 13.3 vs 15.0 ms a one-row step (int4, 1 thread,
+        # interleaved A/B), for a longer cold compile (see the module docstring).
+        # emulate_precision_casts: a fused kernel rounds to bf16 wherever eager would (a norm's output, each
+        # residual add), so the compiled step is bit-identical to eager. Without it, hidden states drifted
+        # by up to 2.0 logits (std 7.5) on a tiny model and greedy tokens parted at a near-tie; with it the
+        # one-row step measured 12.9 vs 13.4 ms, no slower.
+        compile_fn: Callable[[Any], Any] = torch.compile(
+            dynamic=False, options={"cpp_wrapper": True, "emulate_precision_casts": True})
+        self._run_layers = compile_fn(model.run_layers)
 
     @staticmethod
     def applies_to(batch: ForwardBatch) -> bool:
-        return batch.input_ids.shape[0] == 1
+        return batch.input_ids.shape[0] <= MAX_ROWS
 
     @torch.inference_mode()
-    def __call__(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 *, num_layers: int | None = None) -> torch.Tensor:
-        model = self.model
-        layers = model.decoder_layers()[:num_layers][: len(kv_caches)]
-        h = model.embed_tokens(batch.input_ids)  # (1, C)
-        rope = model.rotary.tables(batch.positions, h.dtype)
-        q, k, v = self._enter(layers[0], h, rope)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=False)):  # layers <= caches
-            attended = attend(q, k, v, k_cache, v_cache, batch.attn)  # (1, H, D)
-            if i + 1 < len(layers):
-                h, q, k, v = self._boundary(layer, layers[i + 1], h, attended, rope)
-            else:
-                h = self._leave(layer, h, attended)
-        hidden: torch.Tensor = model.norm(h[batch.logits_index])  # (S, C)
+    def __call__(self, batch: ForwardBatch, kv_caches: KVCaches, *, num_layers: int | None = None) -> torch.Tensor:
+        rows = (batch.input_ids, batch.positions, batch.logits_index)
+        if batch.input_ids.shape[0] > 1:
+            # One graph for every batch size (dynamic=False above makes single rows their own graph).
+            for tensor in rows:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        token = _STEP.set((kv_caches, batch.attn))
+        try:
+            with _WEIGHTS_FIXED_GUARDS:
+                hidden: torch.Tensor = self._run_layers(
+                    *rows, _attend_through_op,
+                    num_layers=min(num_layers or self.model.config.num_layers, len(kv_caches)))
+        finally:
+            _STEP.reset(token)
         return hidden

@@ -10,7 +10,7 @@ tests compare it against.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,11 @@ class ForwardBatch:
     positions: torch.Tensor  # (N,)
     attn: StepAttention  # where each sequence's keys lie in the pool, and the backend that reads them
     logits_index: torch.Tensor  # (S,) packed rows whose logits are wanted
+
+
+# Attention of one layer over the step's cache: (layer index, q (N, H, D), k, v (N, Hkv, D)) -> (N, H, D).
+# The eager forward binds it to the step's metadata; the compiled step (compiled_step.py) to an opaque op.
+AttendLayer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
@@ -152,15 +157,15 @@ class Attention(nn.Module):
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)  # (N, H, D), (N, Hkv, D)
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:  # typed, no hook dispatch
-        return self.forward(x, batch, rope, k_cache, v_cache)
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer_index: int,
+                 attend_layer: AttendLayer) -> torch.Tensor:  # typed, no hook dispatch
+        return self.forward(x, rope, layer_index, attend_layer)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        # x: (N, C); k_cache/v_cache: (num_blocks, block_size, Hkv, D)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer_index: int,
+                attend_layer: AttendLayer) -> torch.Tensor:
+        # x: (N, C)
         q, k, v = self.project(x, rope)
-        attended = attend(q, k, v, k_cache, v_cache, batch.attn)  # (N, H, D)
+        attended = attend_layer(layer_index, q, k, v)  # (N, H, D)
         return self.o_proj(attended.reshape(x.shape[0], self.q_size))
 
     def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -236,12 +241,22 @@ class LlamaModel(nn.Module):
         """Hidden states (S, C) of the rows in batch.logits_index, after the final norm.
 
         `num_layers` runs only the first L layers (self-drafting reuses the target this way)."""
-        h = self.embed_tokens(batch.input_ids)  # (N, C)
-        rope = self.rotary.tables(batch.positions, h.dtype)
-        for layer, (k_cache, v_cache) in zip(self.decoder_layers()[:num_layers], kv_caches, strict=False):
-            h = h + layer.self_attn(layer.input_layernorm(h), batch, rope, k_cache, v_cache)
+
+        def attend_layer(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attend(q, k, v, *kv_caches[i], batch.attn)
+
+        return self.run_layers(batch.input_ids, batch.positions, batch.logits_index, attend_layer,
+                               num_layers=min(num_layers or self.config.num_layers, len(kv_caches)))
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                   attend_layer: AttendLayer, *, num_layers: int) -> torch.Tensor:
+        """The forward on plain tensors, attention behind `attend_layer`: what torch.compile traces."""
+        h = self.embed_tokens(input_ids)  # (N, C)
+        rope = self.rotary.tables(positions, h.dtype)
+        for i, layer in enumerate(self.decoder_layers()[:num_layers]):
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, i, attend_layer)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        hidden: torch.Tensor = self.norm(h[batch.logits_index])  # (S, C)
+        hidden: torch.Tensor = self.norm(h[logits_index])  # (S, C)
         return hidden
 
     @torch.inference_mode()

@@ -16,10 +16,11 @@ from decodeservice.engine.attention import (
     slot_of,
     slot_runs,
 )
-from decodeservice.engine.compiled_step import CompiledDecodeStep
+from decodeservice.engine.compiled_step import CompiledStep
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
+from decodeservice.engine.quant.w8a8 import W8A8_ROWS
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
@@ -58,8 +59,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(self.num_layers)
         ]
-        # One-row steps through torch.compile (see compiled_step.py); compiled here, not on the first request.
-        self.compiled: CompiledDecodeStep | None = None
+        # Decode steps through torch.compile (see compiled_step.py); compiled here, not on the first request.
+        self.compiled: CompiledStep | None = None
         # Decode steps replayed from CUDA graphs (cuda_graphs.py), captured here; on CPU (tests) the same
         # static buffers run eager.
         self.graphs: DecodeGraphs | None = None
@@ -71,7 +72,7 @@ class ModelRunner:
                 FlexPagedBackend(num_blocks=num_blocks, block_size=block_size, device=device)
             self.graphs = DecodeGraphs(model=model, kv_caches=self.kv_caches, num_layers=self.num_layers, flex=flex)
         if compile_step:
-            self.compiled = CompiledDecodeStep(model)
+            self.compiled = CompiledStep(model)
             self._warm_up()
 
     def execute(self, plan: SchedulerPlan) -> StepLogits:
@@ -90,11 +91,16 @@ class ModelRunner:
         return StepLogits(rows=rows)
 
     def _warm_up(self) -> None:
-        """Run one one-row step, so that compiling happens at start-up. It writes one token's K/V into
-        block 0, which is free: whoever gets it writes its own K/V before attention reads any."""
-        seq = Sequence(request_id="warm-up", prompt_token_ids=[0], params=SamplingParams(max_tokens=1),
-                       block_ids=[0])
-        self.execute(SchedulerPlan(scheduled=[ScheduledSequence(seq=seq, num_new_tokens=1, num_spec_tokens=0)]))
+        """Run steps of 1, 2 and W8A8_ROWS rows, so that every graph the compiled step has (compiled_step.py)
+        is compiled at start-up, not on a request. Each row writes its K/V into block 0, which is free:
+        whoever gets it writes its own K/V before attention reads any."""
+        for rows in (1, 2, W8A8_ROWS):
+            scheduled = [
+                ScheduledSequence(seq=Sequence(request_id=f"warm-up-{i}", prompt_token_ids=[0],
+                                               params=SamplingParams(max_tokens=1), block_ids=[0]),
+                                  num_new_tokens=1, num_spec_tokens=0)
+                for i in range(rows)]
+            self.execute(SchedulerPlan(scheduled=scheduled))
 
     def build_batch(self, scheduled: list[ScheduledSequence]) -> tuple[ForwardBatch, list[int]]:
         input_ids: list[int] = []

@@ -85,6 +85,8 @@ def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     args += ["--quantization", engine.quantization.value]
     if engine.w8a8:
         args.append("--w8a8")
+    if engine.compile:
+        args.append("--compile")
     spec = engine.speculative
     if spec.method is not SpecMethod.NONE:
         args += ["--speculative-method", spec.method.value, "--num-speculative-tokens", str(spec.num_tokens)]

@@ -98,6 +98,9 @@ class EngineSpec(_Model):
     # The builtin engine's `--w8a8` (EngineConfig.w8a8 has the trade-off): int8 activations for batches
     # on int8/int4 weights; with int4 the pod holds an int8 copy of the weights (+1 byte a weight).
     w8a8: bool = field_default(EngineConfig, "w8a8")
+    # The builtin engine's `--compile` (EngineConfig.compile has the figures): decode steps as one
+    # torch.compile graph, compiled at start-up (minutes cold, seconds from the pod's inductor cache).
+    compile: bool = field_default(EngineConfig, "compile")
     speculative: SpeculativeSpec = Field(default_factory=lambda: SpeculativeSpec.model_validate({}))
     extra_args: tuple[str, ...] = ()
 
@@ -338,6 +341,8 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
         if engine.w8a8:
             raise InvalidSpecError("spec.engine.w8a8: a builtin-engine mode; vLLM picks its kernels from the "
                                    "model's quantization")
+        if engine.compile:
+            raise InvalidSpecError("spec.engine.compile: a builtin-engine mode; vLLM compiles its own graphs")
     if (engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0
             and engine.quantization in (Quantization.INT8, Quantization.INT4)):
         # The engine's int8/int4 kernels are CPU ones: the pod would fail at start-up, every time.
@@ -346,5 +351,8 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.w8a8:
         raise InvalidSpecError("spec.engine.w8a8: runs on the CPU's int8 kernels; with resources.gpus > 0 the "
                                "engine runs bf16 weights, so leave it false")
+    if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.compile:
+        raise InvalidSpecError("spec.engine.compile: compiles the CPU decode step; with resources.gpus > 0 "
+                               "leave it false")
     if engine.gpu_memory_fraction is not None and spec.resources.gpus == 0:
         raise InvalidSpecError("spec.engine.gpuMemoryFraction: needs resources.gpus > 0; use kvCacheGiB on CPU")

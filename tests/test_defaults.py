@@ -67,11 +67,12 @@ def test_crd_draft_count_is_the_engine_default(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", CRDS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_crd_w8a8_is_the_engine_default(path: Path) -> None:
+@pytest.mark.parametrize("field", ["w8a8", "compile"])
+def test_crd_engine_switches_are_the_engine_defaults(path: Path, field: str) -> None:
     crd = yaml.safe_load(path.read_text())
     engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
-    assert engine["properties"]["w8a8"]["default"] is field_default(EngineConfig, "w8a8")
-    assert EngineSpec().w8a8 is field_default(EngineConfig, "w8a8")
+    assert engine["properties"][field]["default"] is field_default(EngineConfig, field)
+    assert getattr(EngineSpec(), field) is field_default(EngineConfig, field)
 
 
 def test_readme_states_the_config_defaults() -> None:

@@ -153,9 +153,16 @@ def test_node_selector_tolerations_and_extra_args() -> None:
     assert flag(engine["args"], "--device") == "cuda" and engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
 
 
-def test_w8a8_reaches_the_engine_only_when_asked() -> None:
-    assert "--w8a8" not in container(render(minimal()), "engine")["args"]
-    assert "--w8a8" in container(render(minimal(engine={"w8a8": True})), "engine")["args"]
+@pytest.mark.parametrize("field", ["w8a8", "compile"])
+def test_engine_switches_reach_the_engine_only_when_asked(field: str) -> None:
+    assert f"--{field}" not in container(render(minimal()), "engine")["args"]
+    assert f"--{field}" in container(render(minimal(engine={field: True})), "engine")["args"]
+
+
+def test_the_inductor_cache_lives_on_the_pods_cache_volume() -> None:
+    engine = container(render(minimal(engine={"compile": True})), "engine")
+    cache = {e["name"]: e["value"] for e in engine["env"]}["TORCHINDUCTOR_CACHE_DIR"]
+    assert any(cache.startswith(m["mountPath"] + "/") and m["name"] == "cache" for m in engine["volumeMounts"])
 
 
 def test_build_is_pure_and_options_apply() -> None:
@@ -178,6 +185,9 @@ def test_build_is_pure_and_options_apply() -> None:
     (minimal(engine={"w8a8": True}, resources={"gpus": 1}), "spec.engine.w8a8: runs on the CPU"),
     (minimal(engine={"kind": "vllm", "w8a8": True}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "spec.engine.w8a8: a builtin-engine mode"),
+    (minimal(engine={"compile": True}, resources={"gpus": 1}), "spec.engine.compile: compiles the CPU"),
+    (minimal(engine={"kind": "vllm", "compile": True}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
+     "spec.engine.compile: a builtin-engine mode"),
     (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
     (minimal(model={"uri": "pvc://a/m"}, engine={"speculative": {"method": "draft", "draftModel": "pvc://b/d"}}),
      "must live on the model's claim"),
