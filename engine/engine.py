@@ -168,13 +168,15 @@ class Engine:
             return []
         logits = self.runner.execute(plan)
         outputs = []
-        for item, rows in zip(plan.scheduled, logits.rows, strict=True):
-            new_tokens = self._advance(item, rows)
+        first_argmax = logits.first_argmax or [None] * len(logits.rows)
+        for item, rows, greedy in zip(plan.scheduled, logits.rows, first_argmax, strict=True):
+            new_tokens = self._advance(item, rows, greedy)
             if new_tokens or item.seq.is_finished:
                 outputs.append(self._output(item.seq, new_tokens))
         return outputs
 
-    def _advance(self, item: ScheduledSequence, rows: torch.Tensor | None) -> list[int]:
+    def _advance(self, item: ScheduledSequence, rows: torch.Tensor | None, greedy: int | None = None) -> list[int]:
+        """`greedy`: the argmax of `rows[0]` where the runner found it already."""
         seq = item.seq
         if rows is None:  # a prompt chunk; the prompt continues next step
             seq.num_computed_tokens += item.num_new_tokens
@@ -190,7 +192,8 @@ class Engine:
             self.kv.truncate(seq, seq.num_computed_tokens)
             self.spec.rollback(seq, seq.num_computed_tokens)
         else:
-            candidates = [sample_token(rows[0], seq.params, seq.generator)]
+            token = greedy if greedy is not None and seq.params.greedy else None
+            candidates = [token if token is not None else sample_token(rows[0], seq.params, seq.generator)]
         seq.spec_token_ids = []
         now = time.monotonic()
         if seq.first_token_time is None:

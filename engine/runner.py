@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,9 @@ class StepLogits:
     verifies, or None for a prompt chunk that does not reach the end of its prompt."""
 
     rows: list[torch.Tensor | None]
+    # Per sequence, the argmax of its first row, where any sequence in the step decodes greedily: found for
+    # the whole step in one call. A call per row cost ~50-80 us here, 1.6-2.5 ms a step at 32 streams.
+    first_argmax: list[int | None] | None = None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int) -> int:
@@ -78,17 +82,11 @@ class ModelRunner:
     def execute(self, plan: SchedulerPlan) -> StepLogits:
         if self.graphs is not None and (hidden := self.graphs.run(plan.scheduled)) is not None:
             logits = self.model.compute_logits(hidden)  # (S, V): one row per sequence
-            return StepLogits(rows=[logits[i : i + 1] for i in range(logits.shape[0])])
+            return _split(logits, [1] * logits.shape[0], plan)
         batch, row_counts = self.build_batch(plan.scheduled)
         forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
         hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
-        logits = self.model.compute_logits(hidden)
-        rows: list[torch.Tensor | None] = []
-        start = 0
-        for count in row_counts:
-            rows.append(logits[start : start + count] if count else None)
-            start += count
-        return StepLogits(rows=rows)
+        return _split(self.model.compute_logits(hidden), row_counts, plan)
 
     def _warm_up(self) -> None:
         """Run steps of 1, 2 and W8A8_ROWS rows, so that every graph the compiled step has (compiled_step.py)
@@ -136,3 +134,13 @@ class ModelRunner:
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=self.device),
         )
         return batch, row_counts
+
+
+def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> StepLogits:
+    """(S, V) logits of the step -> each sequence's rows (row_counts[i] of them, in plan order)."""
+    starts = [0, *itertools.accumulate(row_counts)][:-1]
+    rows = [logits[s : s + n] if n else None for s, n in zip(starts, row_counts, strict=True)]
+    if not any(item.seq.params.greedy for item in plan.scheduled):
+        return StepLogits(rows=rows)
+    argmax = logits.argmax(dim=-1).tolist()
+    return StepLogits(rows=rows, first_argmax=[argmax[s] if n else None for s, n in zip(starts, row_counts, strict=True)])
