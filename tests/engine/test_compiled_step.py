@@ -83,3 +83,15 @@ def test_a_missing_cpp_compiler_is_refused_at_start_up(int4_gguf: Path, monkeypa
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError, match="compile needs a C[+][+] compiler"):
         Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01)
+
+
+def test_speculation_through_the_compiled_step_stays_lossless(int4_gguf: Path) -> None:
+    # Verifies (1 + drafts rows) run the batch graph: the tokens must be plain decoding's, not merely close.
+    spec = Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01, w8a8=False,
+                                  speculative={"method": "ngram", "num_tokens": 4, "draft_row_cost": 0.0})
+    plain = Engine(model=spec.model, tokenizer=spec.tokenizer,
+                   config=EngineConfig(quantization="int4", kv_cache_gib=0.01, w8a8=False))
+    prompt = spec.tokenizer.encode(" the hell tell the hell tell the hell tell the")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert spec.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
+    assert spec.spec is not None and spec.spec.num_draft_tokens > 0  # verifies did run
