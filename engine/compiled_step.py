@@ -62,13 +62,16 @@ def _attend_through_op(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out
 
 
-# Guards run before every call. By default they check each of the model's ~550 weight tensors and every
-# module's attributes: 1.4 ms a step for this 30-layer model, a tenth of a one-row step. The weights never
-# change after loading, so modules are checked by their dicts' version tags (0.4 ms). Applies when dynamo
-# builds the guards, i.e. while it compiles, hence around every call (a recompile builds new ones).
-_WEIGHTS_FIXED_GUARDS = torch._dynamo.config.patch(
+# Dynamo settings for the step, applied around every call (they act while dynamo compiles, which can be
+# any call). Guards run before every call: by default they check each of the model's ~550 weight tensors
+# and every module's attributes, 1.4 ms a step for this 30-layer model, a tenth of a one-row step. The
+# weights never change after loading, so modules are checked by their dicts' version tags (0.4 ms).
+# Graphs cache on `run_layers`' code, shared by every engine in the process (tests build several): more
+# entries than dynamo's default 8 are allowed, and running out fails loudly instead of falling back to
+# eager unnoticed.
+_STEP_DYNAMO_CONFIG = torch._dynamo.config.patch(
     guard_nn_modules=False, use_recursive_dict_tags_for_guards=True,
-    max_saved_pointers_for_recursive_dict_tags_check=4096)
+    max_saved_pointers_for_recursive_dict_tags_check=4096, recompile_limit=64, fail_on_recompile_limit_hit=True)
 
 
 class CompiledStep:
@@ -97,8 +100,10 @@ class CompiledStep:
         # residual add), so the compiled step is bit-identical to eager. Without it, hidden states drifted
         # by up to 2.0 logits (std 7.5) on a tiny model and greedy tokens parted at a near-tie; with it the
         # one-row step measured 12.9 vs 13.4 ms, no slower.
+        # fullgraph: a graph break (code dynamo cannot trace, added to the model later) is an error at
+        # start-up, not a silently slower step.
         compile_fn: Callable[[Any], Any] = torch.compile(
-            dynamic=False, options={"cpp_wrapper": True, "emulate_precision_casts": True})
+            dynamic=False, fullgraph=True, options={"cpp_wrapper": True, "emulate_precision_casts": True})
         self._run_layers = compile_fn(model.run_layers)
 
     @staticmethod
@@ -114,7 +119,7 @@ class CompiledStep:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
         token = _STEP.set((kv_caches, batch.attn))
         try:
-            with _WEIGHTS_FIXED_GUARDS:
+            with _STEP_DYNAMO_CONFIG:
                 hidden: torch.Tensor = self._run_layers(
                     *rows, _attend_through_op,
                     num_layers=min(num_layers or self.model.config.num_layers, len(kv_caches)))
