@@ -15,6 +15,8 @@ llama.cpp runs through llama-cpp-python (the optional `bench` extra), skipped wi
 not importable; its 32-stream aggregate is llama.cpp's own batching of the 32 sequences in one context,
 as llama-server -np 32 runs it (benchmarks/llama_cpp_batched.py, through the C API).
 The summary quotes every target of issue 13 as a ratio measured in this one run. Medians over repeats.
+`--rounds N` runs the variant list N times in turn and reports medians over rounds, with each ratio's
+value per round (`ratios_by_round`): single runs move by 15-25% here with the machine's load.
 """
 
 from __future__ import annotations
@@ -306,6 +308,36 @@ def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
     return out
 
 
+def run_variant(variant: str, prompt_file: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One variant in its own process (its peak RSS is its own)."""
+    out = tmp / f"{variant}.json"
+    cmd = [sys.executable, "-P", __file__, "--variant", variant, "--prompts", str(prompt_file),
+           "--child-out", str(out), "--threads", str(args.threads), "--decode-tokens",
+           str(args.decode_tokens), "--repeats", str(args.repeats), "--streams", str(args.streams),
+           "--profile", args.profile, "--profile-threads", args.profile_threads,
+           "--kv-cache-gib", str(args.kv_cache_gib)]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    result: dict[str, Any] = json.loads(out.read_text()) if done.returncode == 0 else {"error": done.stderr.strip()[-1500:]}
+    print(f"{variant}: {time.perf_counter() - start:.0f} s {result}", file=sys.stderr)
+    return result
+
+
+def median_variants(per_round: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each variant's first round, its numeric figures replaced by their median over the rounds."""
+    merged: dict[str, dict[str, Any]] = {}
+    for variant, first in per_round[0].items():
+        merged[variant] = dict(first)
+        for key, value in first.items():
+            values = [r[variant].get(key) for r in per_round]
+            if isinstance(value, int | float) and not isinstance(value, bool) and all(
+                    isinstance(v, int | float) for v in values):
+                merged[variant][key] = statistics.median(values)
+                if len(per_round) > 1:
+                    merged[variant].setdefault("by_round", {})[key] = values
+    return merged
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--threads", type=int, default=2)
@@ -319,6 +351,10 @@ def main() -> int:
     parser.add_argument("--profile", default="int4", choices=list(PRECISIONS), help="precision to profile")
     parser.add_argument("--profile-threads", default="1,2", help="thread counts the step profile runs at")
     parser.add_argument("--variants", default=",".join(ENGINE_VARIANTS + PEERS))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variants this many times in turn; figures and ratios are medians over "
+                             "rounds, each ratio's per-round values kept (this machine's load moves single "
+                             "runs by 15-25%%)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -329,25 +365,19 @@ def main() -> int:
 
     prompts = build_prompts(args.prompt_tokens)
     report: dict[str, Any] = {"threads": args.threads, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
-                              "streams": args.streams, "variants": {}}
+                              "rounds": args.rounds, "streams": args.streams, "variants": {}}
+    per_round: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompts.json"
         prompt_file.write_text(json.dumps(prompts))
-        for variant in args.variants.split(","):
-            out = Path(tmp) / f"{variant}.json"
-            cmd = [sys.executable, "-P", __file__, "--variant", variant, "--prompts", str(prompt_file),
-                   "--child-out", str(out), "--threads", str(args.threads), "--decode-tokens",
-                   str(args.decode_tokens), "--repeats", str(args.repeats), "--streams", str(args.streams),
-                   "--profile", args.profile, "--profile-threads", args.profile_threads,
-                   "--kv-cache-gib", str(args.kv_cache_gib)]
-            start = time.perf_counter()
-            done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if done.returncode == 0:
-                report["variants"][variant] = json.loads(out.read_text())
-            else:
-                report["variants"][variant] = {"error": done.stderr.strip()[-1500:]}
-            print(f"{variant}: {time.perf_counter() - start:.0f} s {report['variants'][variant]}", file=sys.stderr)
+        for _ in range(args.rounds):
+            per_round.append({variant: run_variant(variant, prompt_file, Path(tmp), args)
+                              for variant in args.variants.split(",")})
+    report["variants"] = median_variants(per_round)
     report["ratios"] = ratios(report["variants"], args.streams)
+    if args.rounds > 1:
+        by_round = [ratios(r, args.streams) for r in per_round]
+        report["ratios_by_round"] = {key: [r[key] for r in by_round] for key in by_round[0] if by_round[0][key] is not None}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
