@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +31,8 @@ from decodeservice.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from decodeservice.engine.cuda_graphs import DecodeGraphs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +81,13 @@ class ModelRunner:
                 FlexPagedBackend(num_blocks=num_blocks, block_size=block_size, device=device)
             self.graphs = DecodeGraphs(model=model, kv_caches=self.kv_caches, num_layers=self.num_layers, flex=flex)
         if compile_step:
+            # Minutes on a cold cache: say so, or a pod that is not Ready yet looks hung.
+            log.info("compiling the decode step (torch.compile; minutes the first time, seconds from the "
+                     "inductor cache at %s)", os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its default place"))
+            start = time.perf_counter()
             self.compiled = CompiledStep(model)
             self._warm_up()
+            log.info("decode step compiled in %.1f s", time.perf_counter() - start)
 
     def execute(self, plan: SchedulerPlan) -> StepLogits:
         if self.graphs is not None and (hidden := self.graphs.run(plan.scheduled)) is not None:

@@ -6,6 +6,7 @@ emulates eager's bf16 roundings). Compiling the tiny model's graphs takes under 
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -85,8 +86,10 @@ def test_a_missing_cpp_compiler_is_refused_at_start_up(int4_gguf: Path, monkeypa
         Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01)
 
 
-def test_speculation_through_the_compiled_step_stays_lossless(int4_gguf: Path) -> None:
+def test_speculation_through_the_compiled_step_stays_lossless(int4_gguf: Path, caplog: pytest.LogCaptureFixture
+                                                              ) -> None:
     # Verifies (1 + drafts rows) run the batch graph: the tokens must be plain decoding's, not merely close.
+    caplog.set_level(logging.INFO, logger="decodeservice.engine.runner")
     spec = Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01, w8a8=False,
                                   speculative={"method": "ngram", "num_tokens": 4, "draft_row_cost": 0.0})
     plain = Engine(model=spec.model, tokenizer=spec.tokenizer,
@@ -95,3 +98,6 @@ def test_speculation_through_the_compiled_step_stays_lossless(int4_gguf: Path) -
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert spec.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
     assert spec.spec is not None and spec.spec.num_draft_tokens > 0  # verifies did run
+    # A start-up that compiles for minutes says so in the log (a pod not Ready yet should not look hung).
+    assert [r.message.split(" (")[0] for r in caplog.records][:1] == ["compiling the decode step"]
+    assert "decode step compiled in" in caplog.text
