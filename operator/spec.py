@@ -354,5 +354,11 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.compile:
         raise InvalidSpecError("spec.engine.compile: compiles the CPU decode step; with resources.gpus > 0 "
                                "leave it false")
+    if engine.kind is EngineKind.BUILTIN and engine.compile and engine.quantization not in (
+            Quantization.INT8, Quantization.INT4):
+        # The engine refuses compile on dense fp32 weights (oneDNN-packed) at start-up, and `auto` is dense
+        # for a dense model: ask for the weight format here rather than let such a pod crash-loop.
+        raise InvalidSpecError("spec.engine.compile: needs quantization int4 or int8 (the compiled step runs "
+                               f"quantized weights), not {engine.quantization.value}")
     if engine.gpu_memory_fraction is not None and spec.resources.gpus == 0:
         raise InvalidSpecError("spec.engine.gpuMemoryFraction: needs resources.gpus > 0; use kvCacheGiB on CPU")

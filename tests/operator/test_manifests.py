@@ -156,11 +156,12 @@ def test_node_selector_tolerations_and_extra_args() -> None:
 @pytest.mark.parametrize("field", ["w8a8", "compile"])
 def test_engine_switches_reach_the_engine_only_when_asked(field: str) -> None:
     assert f"--{field}" not in container(render(minimal()), "engine")["args"]
-    assert f"--{field}" in container(render(minimal(engine={field: True})), "engine")["args"]
+    asked = {field: True, "quantization": "int4"}  # compile needs a quantized format
+    assert f"--{field}" in container(render(minimal(engine=asked)), "engine")["args"]
 
 
 def test_the_inductor_cache_lives_on_the_pods_cache_volume() -> None:
-    engine = container(render(minimal(engine={"compile": True})), "engine")
+    engine = container(render(minimal(engine={"compile": True, "quantization": "int4"})), "engine")
     cache = {e["name"]: e["value"] for e in engine["env"]}["TORCHINDUCTOR_CACHE_DIR"]
     assert any(cache.startswith(m["mountPath"] + "/") and m["name"] == "cache" for m in engine["volumeMounts"])
 
@@ -186,6 +187,8 @@ def test_build_is_pure_and_options_apply() -> None:
     (minimal(engine={"kind": "vllm", "w8a8": True}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "spec.engine.w8a8: a builtin-engine mode"),
     (minimal(engine={"compile": True}, resources={"gpus": 1}), "spec.engine.compile: compiles the CPU"),
+    (minimal(engine={"compile": True}), "spec.engine.compile: needs quantization int4 or int8"),
+    (minimal(engine={"compile": True, "quantization": "none"}), "spec.engine.compile: needs quantization"),
     (minimal(engine={"kind": "vllm", "compile": True}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "spec.engine.compile: a builtin-engine mode"),
     (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
