@@ -191,9 +191,10 @@ class Engine:
             seq.num_computed_tokens += accepted
             self.kv.truncate(seq, seq.num_computed_tokens)
             self.spec.rollback(seq, seq.num_computed_tokens)
+        elif greedy is not None and seq.params.greedy:
+            candidates = [greedy]
         else:
-            token = greedy if greedy is not None and seq.params.greedy else None
-            candidates = [token if token is not None else sample_token(rows[0], seq.params, seq.generator)]
+            candidates = [sample_token(rows[0], seq.params, seq.generator)]
         seq.spec_token_ids = []
         now = time.monotonic()
         if seq.first_token_time is None:
