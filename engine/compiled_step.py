@@ -122,7 +122,7 @@ class CompiledStep:
             with _STEP_DYNAMO_CONFIG:
                 hidden: torch.Tensor = self._run_layers(
                     *rows, _attend_through_op,
-                    num_layers=min(num_layers or self.model.config.num_layers, len(kv_caches)))
+                    num_layers=self.model.layers_to_run(num_layers, kv_caches))
         finally:
             _STEP.reset(token)
         return hidden

@@ -246,7 +246,11 @@ class LlamaModel(nn.Module):
             return attend(q, k, v, *kv_caches[i], batch.attn)
 
         return self.run_layers(batch.input_ids, batch.positions, batch.logits_index, attend_layer,
-                               num_layers=min(num_layers or self.config.num_layers, len(kv_caches)))
+                               num_layers=self.layers_to_run(num_layers, kv_caches))
+
+    def layers_to_run(self, num_layers: int | None, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """The first L layers a forward runs: `num_layers` (all when None), no more than there are caches."""
+        return min(num_layers or self.config.num_layers, len(kv_caches))
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
                    attend_layer: AttendLayer, *, num_layers: int) -> torch.Tensor:
