@@ -50,6 +50,9 @@ class AttentionMetadata:
     block_size: int
     # Short sequences batched into one padded call (CPU backend); built once per step, used per layer.
     short_group: ShortGroup | None = None
+    # The step's only sequence decodes one token over keys in one run of slots (a single stream's
+    # step): planned once so that every layer reads it in a few calls (CPU backend).
+    single_run: SlotRun | None = None
 
 
 def slot_of(block_ids: Seq[int], position: int, block_size: int) -> int:

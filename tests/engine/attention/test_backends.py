@@ -132,6 +132,35 @@ def test_gemm_decode_equals_dense_reference(dtype: torch.dtype, planned: bool) -
     assert error <= 2 * flash_error + 1e-6, f"GEMM path {error:.5f}, flash kernel {flash_error:.5f}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("length", "blocks"), [(1, [7]), (16, [3, 4, 5, 6]), (14, [3, 4, 9, 10])],
+                         ids=["first_token", "one_run", "two_runs"])
+def test_single_stream_decode_reads_one_run_as_the_general_path_does(dtype: torch.dtype, length: int,
+                                                                    blocks: list[int]) -> None:
+    # A step whose only sequence decodes one token over one run of slots is planned as such and read
+    # through one strided view of each pool: bit for bit what the general path gives. The caches are
+    # views at an offset into larger tensors, as a pool carved from one allocation would be.
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = ((torch.randn(3, NUM_BLOCKS, BS, HKV, D, generator=gen) * 3).to(dtype)[1] for _ in range(2))
+    q = torch.randn(1, H, D, generator=gen).to(dtype)
+    k, v = (torch.randn(1, HKV, D, generator=gen).to(dtype) for _ in range(2))
+    runs = slot_runs(blocks, num_tokens=length, block_size=BS)
+    span = SequenceSpan(token_start=0, num_new=1, context_len=length, runs=runs, block_table=torch.tensor(blocks))
+    last = length - 1
+    meta = AttentionMetadata(slot_mapping=torch.tensor([blocks[last // BS] * BS + last % BS]), spans=(span,),
+                             block_size=BS)
+    backend = PagedViewsBackend()
+    planned = backend.plan(meta, dtype=dtype)
+    assert planned.single_run == (runs[0] if len(runs) == 1 else None)
+    out = attend(q, k, v, k_cache, v_cache, StepAttention(meta=planned, backend=backend))
+    general = attend(q, k, v, k_cache, v_cache, StepAttention(meta=meta, backend=backend))
+    assert torch.equal(out, general)
+    keys, values = (torch.cat([c[b] for b in blocks])[:length] for c in (k_cache, v_cache))  # (L, Hkv, D)
+    reference = F.scaled_dot_product_attention(q.double().transpose(0, 1), keys.double().transpose(0, 1),
+                                               values.double().transpose(0, 1), enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out.double(), reference, atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path (gather backend, "
                     "fused lower-right causal SDPA) is only exercised where one exists")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
