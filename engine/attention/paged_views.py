@@ -74,7 +74,7 @@ def _single_run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     first = run.first_slot * hkv * d
     keys = k_cache.as_strided(size, stride, k_cache.storage_offset() + first)
     values = v_cache.as_strided(size, stride, v_cache.storage_offset() + first)
-    out, _ = _flash(q.view(1, hkv, -1, d), keys, values)  # (1, Hkv, G, D)
+    out: torch.Tensor = _flash(q.view(1, hkv, -1, d), keys, values)[0]  # (1, Hkv, G, D)
     return out.view(q.shape)
 
 
