@@ -1,6 +1,6 @@
 """Where one decode step goes, and what each projection costs as the batch grows. JSON out.
 
-    .venv/bin/python -P benchmarks/decode_step.py [--quantization int4] [--threads 1,2] [--streams 32] [--out FILE]
+    .venv/bin/python -P benchmarks/decode_step.py [--quantization int4] [--threads 1,2] [--streams 32] [--compile] [--out FILE]
 
 - `profile`: per thread count and per batch (1 stream, then `--streams` streams), the median wall time
   of a decode step (unprofiled) and torch.profiler's breakdown of the same steps: time by kind (the
@@ -16,6 +16,11 @@
   (what `SpeculativeConfig.draft_row_cost` should be), at the first thread count.
 
 engine_vs_peers.py puts `profile` into its output for the profiled precision.
+
+With `--compile` (EngineConfig.compile) decode steps run as one inductor graph: its projections and fused
+kernels are made from generated C++ the profiler does not see op by op, so they show as one kind,
+`compiled_graph`; the attention op's own Python (around the flash kernel) is `attention_glue`.
+`projection_rows` is left out there (the kernels are the eager ones).
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
 
 def _kind(op: str) -> str:
+    if "CompiledFxGraph" in op:
+        return "compiled_graph"
+    if "decodeservice::paged_attention" in op:
+        return "attention_glue"
     if any(m in op for m in MATMUL_OPS):
         return "projections"
     if any(m in op for m in ATTENTION_OPS):
@@ -194,17 +203,19 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--w8a8", action=argparse.BooleanOptionalAction, default=True,
                         help="EngineConfig.w8a8 for the profiled engine (default on)")
+    parser.add_argument("--compile", action="store_true", help="EngineConfig.compile (the decode step as one graph)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
     engine = Engine.from_pretrained("smollm2-135m", quantization=args.quantization, enable_prefix_caching=False,
-                                    max_num_seqs=64, max_model_len=2048, kv_cache_gib=0.15, w8a8=args.w8a8)
+                                    max_num_seqs=64, max_model_len=2048, kv_cache_gib=0.15, w8a8=args.w8a8,
+                                    compile=args.compile)
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}])
-    report: dict[str, Any] = {"quantization": engine.model.weight_format, "w8a8": args.w8a8,
+    report: dict[str, Any] = {"quantization": engine.model.weight_format, "w8a8": args.w8a8, "compile": args.compile,
                               "profile": profile(engine, prompt, threads=threads, streams=args.streams)}
     report["verify_row_cost"] = verify_row_cost(engine, prompt)
-    if engine.model.weight_format == "int4":
+    if engine.model.weight_format == "int4" and not args.compile:
         report["projection_rows"] = {f"{threads[0]}_threads": projection_rows(engine.model)}
     text = json.dumps(report, indent=2)
     print(text)
