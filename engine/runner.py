@@ -25,7 +25,6 @@ from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS
-from decodeservice.engine.sampler import argmax_rows
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
@@ -153,5 +152,5 @@ def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> 
     rows = [logits[s : s + n] if n else None for s, n in zip(starts, row_counts, strict=True)]
     if not any(item.seq.params.greedy for item in plan.scheduled):
         return StepLogits(rows=rows)
-    argmax = argmax_rows(logits).tolist()
+    argmax = logits.argmax(dim=-1).tolist()
     return StepLogits(rows=rows, first_argmax=[argmax[s] if n else None for s, n in zip(starts, row_counts, strict=True)])

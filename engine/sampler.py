@@ -41,34 +41,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-# Width of the blocks argmax_rows splits a row into.
-ARGMAX_BLOCK = 1024
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(S, V) -> (S,): the first index of each row's maximum, exactly what `argmax(dim=-1)` gives.
-
-    torch's CPU argmax is a scalar loop: 32 rows of 49k logits take 1.24 ms at 2 threads and 2.5 ms at
-    1, where a max is a vectorized reduction (75 us). So each block of ARGMAX_BLOCK logits gets its max,
-    the row's first block holding the row's max is found among those few, and argmax runs inside that
-    block only. A row with a NaN (which argmax reports) goes to argmax whole. Other devices' argmax is
-    no scalar loop: they take it directly."""
-    rows, width = logits.shape
-    if rows == 0 or width <= ARGMAX_BLOCK or logits.device.type != "cpu":
-        return logits.argmax(dim=-1)
-    full = width // ARGMAX_BLOCK * ARGMAX_BLOCK
-    block_max = logits[:, :full].reshape(rows, -1, ARGMAX_BLOCK).amax(dim=-1)  # (S, V // BLOCK)
-    if full < width:
-        block_max = torch.cat([block_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
-    row_max = block_max.amax(dim=-1, keepdim=True)  # (S, 1)
-    if bool(row_max.isnan().any()):
-        return logits.argmax(dim=-1)
-    block = (block_max == row_max).int().argmax(dim=-1, keepdim=True)  # (S, 1): the first such block
-    # The last block may be short: its columns past the row's end repeat the last logit, after it.
-    columns = (block * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_(max=width - 1)
-    return block[:, 0] * ARGMAX_BLOCK + logits.gather(1, columns).argmax(dim=-1)
-
-
 def one_hot_probs(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(index, size).float()
 

@@ -23,7 +23,7 @@ from decodeservice.engine.config import SpeculativeConfig
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.outputs import SpecDecodeStats
-from decodeservice.engine.sampler import argmax_rows, target_probs
+from decodeservice.engine.sampler import target_probs
 from decodeservice.engine.sequence import Sequence
 from decodeservice.engine.spec_decode.proposers import (
     DraftModelProposer,
@@ -195,7 +195,7 @@ class SpeculativeDecoder:
         draft_ids = torch.tensor(proposed, dtype=torch.long, device=rows.device)
         q = self._probs.pop(seq.request_id, None)
         if seq.params.greedy:
-            tokens = greedy_accept(draft_ids, argmax_rows(rows))
+            tokens = greedy_accept(draft_ids, rows.argmax(dim=-1))
         else:
             p = target_probs(rows, seq.params)  # (k+1, V)
             tokens = self.sampled_verifier(draft_ids, p, None if q is None else q[:k], seq.generator)
