@@ -95,13 +95,18 @@ def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) 
     return (outs * weights).sum(0).to(dtype)
 
 
+def _takes_matmul(span: SequenceSpan, dtype: torch.dtype, matmul_from: int | None) -> bool:
+    """Whether `span` goes through decode_matmul.py (see attend_span's `matmul_from`)."""
+    return matmul_from is not None and decode_matmul.applies(span, dtype, min_context=matmul_from)
+
+
 def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 span: SequenceSpan, *, block_size: int, matmul_from: int | None = decode_matmul.MIN_CONTEXT) -> torch.Tensor:
     """One sequence's new tokens: q (Q, H, D), fresh k/v (Q, Hkv, D) -> (Q, H, D).
 
     `matmul_from`: the context length from which a decode or verify goes through decode_matmul.py
     (reduced precision only); None keeps every span on the flash kernel."""
-    if matmul_from is not None and decode_matmul.applies(span, q.dtype, min_context=matmul_from):
+    if _takes_matmul(span, q.dtype, matmul_from):
         runs = list(span.runs)
         if len(runs) > MAX_RUNS:
             keys, values, whole = _gathered(k_flat, v_flat, runs)
@@ -141,10 +146,11 @@ class PagedViewsBackend:
         return dataclasses.replace(meta, short_group=group, single_run=self._single_run(meta, dtype))
 
     def _single_run(self, meta: AttentionMetadata, dtype: torch.dtype) -> SlotRun | None:
-        if len(meta.spans) != 1 or meta.spans[0].num_new != 1 or len(meta.spans[0].runs) != 1:
+        """The run a single stream's one-token decode reads (_single_run_decode), else None."""
+        if len(meta.spans) != 1:
             return None
         span = meta.spans[0]
-        if self.matmul_from is not None and decode_matmul.applies(span, dtype, min_context=self.matmul_from):
+        if span.num_new != 1 or len(span.runs) != 1 or _takes_matmul(span, dtype, self.matmul_from):
             return None
         return span.runs[0]
 
