@@ -168,15 +168,15 @@ class Engine:
             return []
         logits = self.runner.execute(plan)
         outputs = []
-        first_argmax = logits.first_argmax or [None] * len(logits.rows)
-        for item, rows, greedy in zip(plan.scheduled, logits.rows, first_argmax, strict=True):
-            new_tokens = self._advance(item, rows, greedy)
+        argmax = logits.argmax or [None] * len(logits.rows)
+        for item, rows, row_argmax in zip(plan.scheduled, logits.rows, argmax, strict=True):
+            new_tokens = self._advance(item, rows, row_argmax)
             if new_tokens or item.seq.is_finished:
                 outputs.append(self._output(item.seq, new_tokens))
         return outputs
 
-    def _advance(self, item: ScheduledSequence, rows: torch.Tensor | None, greedy: int | None = None) -> list[int]:
-        """`greedy`: the argmax of `rows[0]` where the runner found it already."""
+    def _advance(self, item: ScheduledSequence, rows: torch.Tensor | None, row_argmax: list[int] | None) -> list[int]:
+        """`row_argmax`: the argmax of each of `rows`, which the runner finds for every greedy sequence."""
         seq = item.seq
         if rows is None:  # a prompt chunk; the prompt continues next step
             seq.num_computed_tokens += item.num_new_tokens
@@ -186,13 +186,13 @@ class Engine:
         if item.num_spec_tokens:
             assert self.spec is not None
             proposed = list(seq.spec_token_ids[: item.num_spec_tokens])
-            candidates = self.spec.verify(seq, proposed, rows)
+            candidates = self.spec.verify(seq, proposed, rows, row_argmax)
             accepted = len(candidates) - 1
             seq.num_computed_tokens += accepted
             self.kv.truncate(seq, seq.num_computed_tokens)
             self.spec.rollback(seq, seq.num_computed_tokens)
-        elif greedy is not None and seq.params.greedy:
-            candidates = [greedy]
+        elif seq.params.greedy and row_argmax is not None:
+            candidates = [row_argmax[0]]
         else:
             candidates = [sample_token(rows[0], seq.params, seq.generator)]
         seq.spec_token_ids = []

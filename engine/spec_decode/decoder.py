@@ -189,13 +189,16 @@ class SpeculativeDecoder:
         return seq.spec_num_tokens
 
     # -- verification ------------------------------------------------------------------------------
-    def verify(self, seq: Sequence, proposed: list[int], rows: torch.Tensor) -> list[int]:
-        """Accepted drafts plus one more token (corrected or bonus). rows: (k+1, V) target logits."""
+    def verify(self, seq: Sequence, proposed: list[int], rows: torch.Tensor, row_argmax: list[int] | None = None
+               ) -> list[int]:
+        """Accepted drafts plus one more token (corrected or bonus). rows: (k+1, V) target logits;
+        row_argmax: their argmax where the runner found it already (greedy requests)."""
         k = len(proposed)
         draft_ids = torch.tensor(proposed, dtype=torch.long, device=rows.device)
         q = self._probs.pop(seq.request_id, None)
         if seq.params.greedy:
-            tokens = greedy_accept(draft_ids, rows.argmax(dim=-1))
+            targets = rows.argmax(dim=-1) if row_argmax is None else torch.tensor(row_argmax, device=rows.device)
+            tokens = greedy_accept(draft_ids, targets)
         else:
             p = target_probs(rows, seq.params)  # (k+1, V)
             tokens = self.sampled_verifier(draft_ids, p, None if q is None else q[:k], seq.generator)
