@@ -16,6 +16,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from decodeservice.cli.common import subcommand_kwargs
+
 MAX_TOKENS_HELP = (
     "tokens per request: N (fixed), uniform:LO:HI (seeded), dataset (each entry's output_len) or "
     "dataset:CAP (output_len capped at CAP); default 256"
@@ -25,7 +27,7 @@ MAX_TOKENS_HELP = (
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench", help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, throughput, goodput)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, **subcommand_kwargs(),
     )
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from decodeservice.bench.load import LoadLevel, parse_concurrency
     from decodeservice.bench.metrics import Slo
     from decodeservice.bench.runner import BenchConfig, run_benchmark
-    from decodeservice.cli.main import UsageError
+    from decodeservice.cli.common import UsageError
 
     try:
         if args.rate is not None:

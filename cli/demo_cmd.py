@@ -11,11 +11,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from decodeservice.cli.common import subcommand_kwargs
+
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "demo", help="run the engine and the proxy locally and compare speculative decoding off vs on",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, **subcommand_kwargs(),
     )
     parser.add_argument("--out", type=Path, default=Path("demo-results"), help="report folder (default ./demo-results)")
     parser.add_argument("--num-requests", type=int, help="requests per run (default 8; --quick: 4)")
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from decodeservice.bench.demo import Demo, DemoConfig, side_by_side
     from decodeservice.bench.errors import BenchConfigError, BenchError
-    from decodeservice.cli.main import UsageError
+    from decodeservice.cli.common import UsageError
 
     for flag in ("num_requests", "max_tokens"):
         value = getattr(args, flag)

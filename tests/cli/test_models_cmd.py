@@ -64,3 +64,17 @@ def test_models_needs_an_action(capfd: pytest.CaptureFixture[str]) -> None:
         main(["models"])
     assert exc.value.code == 2
     assert "list" in capfd.readouterr().err
+
+
+def test_list_as_json(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["models", "list", "-o", "json", "--cache-dir", str(tmp_path)]) == 0
+    rows = {row["name"]: row for row in json.loads(capfd.readouterr().out)}
+    row = rows["smollm2-135m"]
+    assert row["default"] is True and row["status"] == "not cached" and row["path"] is None
+    assert row["sha256"] == SMOLLM2.sha256 and row["size_bytes"] == SMOLLM2.size
+    (tmp_path / SMOLLM2.filename).write_bytes(b"short")  # present, wrong size
+    assert main(["models", "list", "-o", "json", "--cache-dir", str(tmp_path)]) == 0
+    row = {r["name"]: r for r in json.loads(capfd.readouterr().out)}["smollm2-135m"]
+    assert row["status"] == "corrupt" and row["path"] == str(tmp_path / SMOLLM2.filename)
