@@ -13,6 +13,11 @@ def register(subparsers: Any) -> None:
         description="Run the DecodeService sidecar proxy (Starlette on uvicorn) in front of an engine.",
     )
     parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--engine-kind", choices=["builtin", "vllm"], default="builtin",
+                        help="what the upstream is; picks the path /ready asks it: builtin GET /ready, "
+                        "vllm GET /health (vLLM has no /ready) (default builtin)")
+    parser.add_argument("--upstream-health-path", default=None, metavar="PATH",
+                        help="override the upstream path /ready asks (200 means ready), e.g. /health")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--policy", type=Path, help="policy.yaml (default: every policy at its default)")
@@ -39,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.tokenizer is not None and not args.tokenizer.is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file")
+    from decodeservice.proxy.upstream_health import UpstreamHealth
+
+    try:
+        health = UpstreamHealth.for_engine(args.engine_kind, path=args.upstream_health_path)
+    except ValueError as exc:
+        raise UsageError(f"--upstream-health-path: {exc}") from None
 
     from decodeservice.proxy.app import create_app
     from decodeservice.proxy.serve import serve
@@ -47,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     lifecycle = Lifecycle(phase=Phase.READY)
     try:
         app = create_app(policy, upstream, tokenizer_path=str(args.tokenizer) if args.tokenizer else None,
-                         lifecycle=lifecycle)
+                         lifecycle=lifecycle, upstream_health=health)
     except Exception as exc:  # a tokenizer file that does not load
         raise UsageError(f"cannot start the proxy: {exc}") from None
     serve(app, lifecycle=lifecycle, host=args.host, port=args.port, drain_timeout=args.drain_timeout,

@@ -36,7 +36,8 @@ from decodeservice.proxy.request_body import JsonBody
 from decodeservice.proxy.streaming import UpstreamTimeouts
 from decodeservice.proxy.tenant_rate import TenantRateLimit
 from decodeservice.proxy.tokens import LocalTokenCounter, TokenCounter, UpstreamTokenCounter
-from decodeservice.proxy.upstream import Forwarder, PassThrough, make_client, upstream_ready
+from decodeservice.proxy.upstream import Forwarder, PassThrough, make_client
+from decodeservice.proxy.upstream_health import UpstreamHealth
 from decodeservice.serving.errors import (
     Draining,
     OpenAIError,
@@ -131,10 +132,13 @@ def create_app(
     *,
     tokenizer_path: str | None = None,
     lifecycle: Lifecycle | None = None,
+    upstream_health: UpstreamHealth | None = None,
 ) -> ProxyApp:
-    """Build the proxy. `lifecycle` lets the server (or a test) start draining; one is made if absent."""
+    """Build the proxy. `lifecycle` lets the server (or a test) start draining; one is made if absent.
+    `upstream_health` is what /ready asks the upstream (default: the builtin engine's /ready)."""
     metrics = ProxyMetrics(policy)
     lifecycle = lifecycle or Lifecycle(phase=Phase.READY)
+    health_check = upstream_health or UpstreamHealth()
     client = make_client(max_connections=policy.admission.max_inflight + 16)
     counter: TokenCounter = (
         LocalTokenCounter(tokenizer_path) if tokenizer_path else UpstreamTokenCounter(client, upstream_url)
@@ -168,7 +172,7 @@ def create_app(
     async def ready(request: Request) -> Response:
         if lifecycle.draining:
             return Draining("the proxy is draining").to_response()
-        if not await upstream_ready(client, upstream_url):
+        if not await health_check.ready(client, upstream_url):
             return ServiceUnavailable("the upstream engine is not ready", code="upstream_not_ready",
                                       headers={"Retry-After": "1"}).to_response()
         return JSONResponse({"status": "ready"})
@@ -208,4 +212,5 @@ def create_app(
     app.state.window = window
     app.state.client = client
     app.state.engine_metrics = engine_metrics
+    app.state.upstream_health = health_check
     return app

@@ -59,7 +59,10 @@ class OutputLength:
                 ctx.body_rewritten = True
                 ctx.clamped_from = max(over.values())
                 self.metrics.for_class[ctx.priority].clamped.inc()
-            ctx.max_tokens = min(min(given.values()), cap)
+            # What the engine obeys: max_completion_tokens when set and non-zero, else max_tokens (vLLM's
+            # get_max_tokens; the builtin engine's protocol too), so the tenant rate charges the real limit.
+            limit = given.get("max_completion_tokens") or given.get("max_tokens", 0)
+            ctx.max_tokens = min(limit, cap)
         if self.policy.max_input_tokens is not None:
             n = await prompt_tokens(ctx, self.counter)
             if n > self.policy.max_input_tokens:

@@ -34,10 +34,14 @@ _MAX_USAGE_BUFFER = 1 << 20
 # (`null`, chat logprobs' `"content": [...]`) do not match.
 _TOKEN = re.compile(rb'"(?:text|content|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*[^\]\s]')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# An engine's error inside a stream: `data: {"error": {...}}` (vLLM from 0.10, OpenAI), or the flat
+# `data: {"object": "error", ...}` of vLLM before 0.10 (tests/support/contracts/vllm/).
+_ERROR_EVENT = re.compile(rb'data:\s*\{\s*"(?:error"\s*:|object"\s*:\s*"error")')
 
 
 class SseMeter:
-    """Incremental SSE scanner: when each token-carrying event arrived, and the final usage if sent.
+    """Incremental SSE scanner: when each token-carrying event arrived, the final usage if sent, and
+    whether the upstream sent an error event (its status was 200 by then, but the request failed).
 
     It scans bytes instead of parsing each event's JSON: this runs for every chunk of every stream.
     """
@@ -46,6 +50,7 @@ class SseMeter:
         self._partial = b""
         self.token_times: list[float] = []
         self.usage_completion_tokens: int | None = None
+        self.error_event = False  # the upstream reported an error inside the stream
 
     def feed(self, chunk: bytes, now: float) -> None:
         lines = (self._partial + chunk if self._partial else chunk).split(b"\n")
@@ -57,6 +62,8 @@ class SseMeter:
                 self.token_times.append(now)
             if b'"usage"' in line and (m := _COMPLETION_TOKENS.search(line)) is not None:
                 self.usage_completion_tokens = int(m[1])
+            elif b'"error"' in line[:64] and _ERROR_EVENT.match(line) is not None:
+                self.error_event = True
 
     @property
     def output_tokens(self) -> int:

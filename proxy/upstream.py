@@ -1,4 +1,6 @@
-"""Talking to the upstream engine with httpx: the policy chain's innermost app, plain pass-through, /ready.
+"""Talking to the upstream engine with httpx: the policy chain's innermost app and plain pass-through.
+
+(What the proxy's /ready asks the upstream is proxy/upstream_health.py.)
 
 Failures before the response starts (connection refused, reset, timeout) are answered 503 with
 `Retry-After`; no response head within `slo.firstTokenTimeoutMs` is a 504; failures after it are
@@ -161,7 +163,10 @@ class Forwarder:
             ctx.output_tokens = _usage_tokens(result.body_tail)
         else:
             ctx.output_tokens = meter.output_tokens
-        if result.status != 200 or result.disconnected or result.upstream_died or result.timed_out is not None:
+        if meter.error_event:
+            self.metrics.upstream_errors.labels("error_event").inc()
+        if (result.status != 200 or result.disconnected or result.upstream_died or result.timed_out is not None
+                or meter.error_event):
             return
         times = meter.token_times
         first = times[0] if times else None
@@ -216,10 +221,3 @@ class PassThrough:
         if result.started:
             set_response_status(scope, result.status)
 
-
-async def upstream_ready(client: httpx.AsyncClient, upstream_url: str, *, timeout: float = 2.0) -> bool:
-    try:
-        response = await client.get(upstream_url.rstrip("/") + "/ready", timeout=timeout)
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200

@@ -33,6 +33,8 @@ def test_bad_policy_file_exits_2_with_a_clear_message(tmp_path: Path, capsys: py
     (["--upstream", "127.0.0.1:8001"], "--upstream must be an http(s) URL"),
     (["--upstream", "http://x", "--policy", "/nonexistent/policy.yaml"], "cannot read policy file"),
     (["--upstream", "http://x", "--tokenizer", "/nonexistent/tokenizer.json"], "no such file"),
+    (["--upstream", "http://x", "--upstream-health-path", "health"], "--upstream-health-path: upstream health path"),
+    (["--upstream", "http://x", "--engine-kind", "sglang"], "invalid choice: 'sglang'"),
 ])
 def test_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:

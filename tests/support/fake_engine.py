@@ -187,11 +187,16 @@ def _chat_chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def serve_loopback(app: ASGIApp, *, startup_timeout: float = 10.0) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on 127.0.0.1 (ephemeral port) in this loop; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+async def serve_loopback(app: ASGIApp, *, startup_timeout: float = 10.0,
+                         sock: socket.socket | None = None) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn on 127.0.0.1 (ephemeral port) in this loop; yields its base URL.
+
+    `sock`: a socket already bound (not listening), to serve on a port chosen before, as a server that
+    binds early and accepts only once it is up."""
+    if sock is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="critical", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=2)
