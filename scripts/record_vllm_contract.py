@@ -75,6 +75,9 @@ WIRE_FACTS = (
      r"if self\.enable_prompt_tokens_details and num_cached_tokens:"),
     ("stream_error_event", "an error inside a stream is the event `data: <error JSON>` (status stays 200), "
      "then [DONE]", CHAT, r'data = self\.create_streaming_error_response\(str\(e\)\)\s*yield f"data: \{data\}\\n\\n"'),
+    ("api_key_only_v1", "with --api-key only paths under /v1 need `Authorization: Bearer`; /health, /tokenize "
+     "and /metrics stay open; a refusal is 401 `{\"error\": \"Unauthorized\"}` (a string, not an object)", API,
+     r'if url_path\.startswith\("/v1"\) and .*\n(?:.*\n){0,2}.*content=\{"error": "Unauthorized"\}'),
     ("max_tokens_precedence", "the output limit is max_completion_tokens when truthy, else max_tokens, "
      "bounded by the context left", UTILS,
      r'getattr\(request, "max_completion_tokens",\s*None\) or request\.max_tokens'),

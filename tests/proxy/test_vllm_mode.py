@@ -198,3 +198,15 @@ async def test_an_error_event_mid_stream_is_not_a_met_slo(version: str, proxy: A
     assert json.loads(events[-2]) == standin.contract.error_body("engine step failed")  # relayed as vLLM sent it
     assert 'decode_proxy:upstream_errors_total{kind="error_event"} 1.0' in metrics
     assert 'decode_proxy:e2e_request_latency_seconds_count{class="interactive"} 0.0' in metrics
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_a_completion_stream_without_usage_is_counted_by_its_token_events(version: str, proxy: Any) -> None:
+    standin = VllmStandIn(contract=Contract.load(version))
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, upstream_health=VLLM) as (_, client):
+        response = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        metrics = (await client.get("/metrics")).text
+    chunks = [e for e in response.text.split("\n\n") if e]
+    assert chunks[-1] == "data: [DONE]" and all('"usage":null' in c for c in chunks[:-1])  # vLLM's whole dumps
+    assert standin.received[-1]["max_tokens"] == 4  # defaultMaxTokens injected: vLLM's own default is 16
+    assert 'decode_proxy:generation_tokens_total{class="interactive"} 4.0' in metrics
