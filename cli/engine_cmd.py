@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+SPECULATIVE_DEST = "speculative_"  # the speculative group's options land in args.speculative_<field>
+
 
 def register(subparsers: Any) -> None:
-    # Every default below is read from the config dataclasses, the one place each lives (torch-free).
-    from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, SpeculativeConfig, field_default
+    # Every engine option is generated from the knob table (engine/config.py), torch-free: its flag, type,
+    # default, bounds and help live there once; the CRD and the operator's args are generated from it too.
+    from decodeservice.engine.config import EngineConfig, SpeculativeConfig, field_default
     from decodeservice.engine.server.settings import ServerSettings
-
-    def engine(name: str) -> Any:
-        return field_default(EngineConfig, name)
-
-    def spec(name: str) -> Any:
-        return field_default(SpeculativeConfig, name)
 
     def server(name: str) -> Any:
         return field_default(ServerSettings, name)
@@ -34,42 +31,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
-    parser.add_argument("--kv-cache-gib", type=float, help=f"KV cache size in GiB (default: {CPU_KV_CACHE_GIB:g} "
-                        "on CPU, --gpu-memory-fraction of free memory on GPU)")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=engine("gpu_memory_fraction"),
-                        help="GPU memory share (default %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=engine("max_num_seqs"),
-                        help="max sequences per batch (default %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=engine("max_num_batched_tokens"),
-                        help="tokens per step (default %(default)s)")
-    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--dtype", default=engine("dtype"), choices=["auto", "float32", "float16", "bfloat16"],
-                        help="activations and KV cache (default %(default)s: bfloat16 with int8/int4 weights or on "
-                             "CUDA, else float32)")
-    parser.add_argument("--device", default=engine("device"), help="torch device, e.g. cpu or cuda (default %(default)s)")
-    parser.add_argument("--quantization", default=engine("quantization"), choices=["auto", "none", "int8", "int4"],
-                        help="weight format (default %(default)s: the model's own, int4 for a Q4_0/Q4_1 GGUF on "
-                             "CPU); int8 and int4 run on CPU")
-    parser.add_argument("--w8a8", action=argparse.BooleanOptionalAction, default=engine("w8a8"),
-                        help="int8/int4 weights: run batches and prompt chunks of 6+ rows as int8 activations "
-                             "x int8 weights (int4 keeps an int8 copy: +1 byte a weight); default %(default)s")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--compile", action="store_true",
-                        help="CPU: run decode steps as one torch.compile graph, compiled at start-up (needs a C++ "
-                             "compiler; minutes the first time, seconds from inductor's cache; one int4 stream "
-                             "about 1.25x faster)")
-    group = parser.add_argument_group("speculative decoding")
-    group.add_argument("--speculative-method", choices=["none", "ngram", "draft", "self_draft"], default="none")
-    group.add_argument("--num-speculative-tokens", type=int, default=spec("num_tokens"),
-                       help="most draft tokens per step, k (default %(default)s)")
-    group.add_argument("--draft-model", help="draft model for --speculative-method draft")
-    group.add_argument("--speculative-disable-batch-size", type=int,
-                       help=f"turn speculation off at this many running sequences (default {spec('disable_batch_size')})")
-    group.add_argument("--speculative-draft-row-cost", type=float,
-                       help=f"cost of verifying one more draft, as a fraction of a decode step (default "
-                            f"{spec('draft_row_cost')}, measured for int4 on CPU; about 0.04 for fp32); sets how fast k shrinks with low "
-                            "acceptance and large batches")
+    add_knob_options(parser, EngineConfig)
+    add_knob_options(parser.add_argument_group("speculative decoding"), SpeculativeConfig, dest_prefix=SPECULATIVE_DEST)
     parser.add_argument("--max-body-bytes", type=int, default=server("max_body_bytes"),
                         help="request body limit in bytes (default %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=server("drain_timeout_s"),
@@ -78,26 +41,34 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def add_knob_options(parser: Any, cls: type[Any], *, dest_prefix: str = "") -> None:
+    """One option per knob with a flag; the default is the field's, so no flag holds a default of its own."""
+    from decodeservice.engine.config import knob_fields
+
+    for kf in knob_fields(cls):
+        if kf.knob.flag is None:
+            continue
+        dest = dest_prefix + kf.name
+        if kf.kind is bool:
+            parser.add_argument(kf.knob.flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                default=kf.default, help=f"{kf.knob.help} (default {'on' if kf.default else 'off'})")
+            continue
+        shown = "" if kf.default is None else " (default %(default)s)"
+        parser.add_argument(kf.knob.flag, dest=dest, type=kf.kind, default=kf.default,
+                            choices=list(kf.choices) or None, help=kf.knob.help + shown)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the flags."""
-    kwargs: dict[str, Any] = {
-        "kv_cache_gib": args.kv_cache_gib, "gpu_memory_fraction": args.gpu_memory_fraction,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
-        "quantization": args.quantization, "enable_prefix_caching": not args.no_prefix_caching,
-        "num_threads": args.num_threads, "compile": args.compile, "w8a8": args.w8a8,
-    }
-    if args.speculative_method != "none":
-        spec: dict[str, Any] = {"method": args.speculative_method, "num_tokens": args.num_speculative_tokens,
-                                "draft_model": args.draft_model}
-        if args.speculative_disable_batch_size is not None:
-            spec["disable_batch_size"] = args.speculative_disable_batch_size
-        if args.speculative_draft_row_cost is not None:
-            spec["draft_row_cost"] = args.speculative_draft_row_cost
-        kwargs["speculative"] = spec
-    elif args.draft_model:
-        kwargs["speculative"] = {"method": "draft", "num_tokens": args.num_speculative_tokens,
-                                 "draft_model": args.draft_model}
+    """EngineConfig keyword arguments from the flags (the knobs that have one)."""
+    from decodeservice.engine.config import EngineConfig, SpeculativeConfig, knob_fields
+
+    kwargs: dict[str, Any] = {kf.name: getattr(args, kf.name) for kf in knob_fields(EngineConfig) if kf.knob.flag}
+    speculative = {kf.name: getattr(args, SPECULATIVE_DEST + kf.name)
+                   for kf in knob_fields(SpeculativeConfig) if kf.knob.flag}
+    if speculative["method"] == "none" and speculative["draft_model"]:
+        speculative["method"] = "draft"  # --draft-model alone asks for draft speculation
+    if speculative["method"] != "none":
+        kwargs["speculative"] = speculative
     return kwargs
 
 
@@ -119,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                                   max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
         model_path = resolve_model_path(args.model)
-        if args.draft_model:
-            resolve_model_path(args.draft_model)  # a typo fails here, not after minutes of loading
+        if args.speculative_draft_model:
+            resolve_model_path(args.speculative_draft_model)  # a typo fails here, not after minutes of loading
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from decodeservice.engine.config import EngineConfig, SpeculativeConfig, field_default
+from decodeservice.operator.engine_schema import knob_args
 from decodeservice.operator.spec import EngineKind, ModelSource, SpecMethod, ValidatedSpec
 
 ENGINE_PORT = 8001
@@ -77,19 +79,12 @@ def download_commands(plan: ModelPlan) -> list[list[str]]:
 def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     engine, gpus = v.spec.engine, v.spec.resources.gpus
     args = ["engine", "--model", plan.model_arg, "--served-model-name", v.served_name,
-            "--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--max-num-seqs", str(engine.max_num_seqs)]
-    if engine.kv_cache_gib is not None:
-        args += ["--kv-cache-gib", _num(engine.kv_cache_gib)]
-    if engine.gpu_memory_fraction is not None:
-        args += ["--gpu-memory-fraction", _num(engine.gpu_memory_fraction)]
-    args += ["--quantization", engine.quantization.value]
-    if engine.w8a8:
-        args.append("--w8a8")
-    if engine.compile:
-        args.append("--compile")
+            "--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
+    # Each knob the spec sets, as the flag the knob table gives it; unset ones keep the engine's default.
+    args += knob_args(engine, EngineConfig)
     spec = engine.speculative
     if spec.method is not SpecMethod.NONE:
-        args += ["--speculative-method", spec.method.value, "--num-speculative-tokens", str(spec.num_tokens)]
+        args += knob_args(spec, SpeculativeConfig)
         if plan.draft_arg is not None:
             args += ["--draft-model", plan.draft_arg]
     args += ["--device", "cuda" if gpus > 0 else "cpu"]
@@ -98,15 +93,21 @@ def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
 
 def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     engine = v.spec.engine
+    # Only what the spec sets: vLLM keeps its own defaults (its max_num_seqs is not ours).
     args = ["--model", plan.model_arg, "--served-model-name", v.served_name, "--host", "0.0.0.0",
-            "--port", str(ENGINE_PORT), "--max-num-seqs", str(engine.max_num_seqs), "--enable-prefix-caching",
-            "--gpu-memory-utilization", _num(engine.gpu_memory_fraction or 0.9)]
+            "--port", str(ENGINE_PORT), "--enable-prefix-caching"]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.gpu_memory_fraction is not None:
+        args += ["--gpu-memory-utilization", _num(engine.gpu_memory_fraction)]
     if v.spec.resources.gpus > 1:
         args += ["--tensor-parallel-size", str(v.spec.resources.gpus)]
     spec = engine.speculative
     if spec.method is SpecMethod.NGRAM:
+        # The n-gram window is the builtin proposer's (SpeculativeConfig's defaults), so both engines match alike.
         config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": spec.num_tokens,
-                                  "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+                                  "prompt_lookup_max": field_default(SpeculativeConfig, "ngram_max"),
+                                  "prompt_lookup_min": field_default(SpeculativeConfig, "ngram_min")}
         args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     elif spec.method is SpecMethod.DRAFT:
         config = {"model": plan.draft_arg, "num_speculative_tokens": spec.num_tokens}

@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from decodeservice.engine.config import EngineConfig, SpeculativeConfig, field_default
+from decodeservice.operator.engine_knobs import EngineKnobs, Quantization, SpeculativeKnobs
+from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
@@ -54,22 +55,6 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"
 
 
-class Quantization(enum.StrEnum):
-    """The builtin engine's `--quantization` (engine/quant): auto runs the model's own precision."""
-
-    NONE = "none"
-    INT8 = "int8"
-    INT4 = "int4"
-    AUTO = "auto"
-
-
-class SpecMethod(enum.StrEnum):
-    NONE = "none"
-    NGRAM = "ngram"
-    DRAFT = "draft"
-    SELF_DRAFT = "self_draft"
-
-
 class AutoscalingMode(enum.StrEnum):
     OFF = "off"
     BUILTIN = "builtin"
@@ -81,26 +66,16 @@ class ModelSpec(_Model):
     served_name: str | None = Field(None, min_length=1, max_length=128)
 
 
-class SpeculativeSpec(_Model):
-    method: SpecMethod = SpecMethod.NONE
-    # The engine's own default (adaptive k up to it); crds/decodeservice.yaml repeats it (tests/test_defaults.py).
-    num_tokens: int = Field(field_default(SpeculativeConfig, "num_tokens"), ge=1, le=16)
+# The knob fields (max_num_seqs, kv_cache_gib, quantization, w8a8, compile; method, num_tokens) come from
+# operator/engine_knobs.py, generated from the engine's knob table (engine/config.py) with their defaults
+# and bounds; the fields below are the operator's own.
+class SpeculativeSpec(SpeculativeKnobs):
     draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
 
 
-class EngineSpec(_Model):
+class EngineSpec(EngineKnobs):
     kind: EngineKind = EngineKind.BUILTIN
     image: str | None = Field(None, min_length=1)
-    max_num_seqs: int = Field(16, ge=1, le=4096)
-    kv_cache_gib: float | None = Field(None, gt=0, alias="kvCacheGiB")
-    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
-    quantization: Quantization = Quantization.AUTO
-    # The builtin engine's `--w8a8` (EngineConfig.w8a8 has the trade-off): int8 activations for batches
-    # on int8/int4 weights; with int4 the pod holds an int8 copy of the weights (+1 byte a weight).
-    w8a8: bool = field_default(EngineConfig, "w8a8")
-    # The builtin engine's `--compile` (EngineConfig.compile has the figures): decode steps as one
-    # torch.compile graph, compiled at start-up (minutes cold, seconds from the pod's inductor cache).
-    compile: bool = field_default(EngineConfig, "compile")
     speculative: SpeculativeSpec = Field(default_factory=lambda: SpeculativeSpec.model_validate({}))
     extra_args: tuple[str, ...] = ()
 

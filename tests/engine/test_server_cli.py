@@ -8,10 +8,11 @@ import pytest
 
 from decodeservice.cli import engine_cmd
 from decodeservice.cli.main import build_parser, main
+from decodeservice.engine.config import SpeculativeConfig
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--quantization", "int8", "--dtype", "float32"], "needs bfloat16 activations"),
+    (["--quantization", "int8", "--dtype", "float16"], "runs bfloat16 or float32 activations"),
     (["--quantization", "int4", "--device", "cuda"], "runs on CPU only"),
     (["--speculative-method", "draft"], "needs draft_model"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "99"], "num_tokens must be in [1, 16]"),
@@ -37,7 +38,16 @@ def test_flags_map_to_engine_config() -> None:
     kwargs = engine_cmd.engine_kwargs(args)
     assert kwargs["kv_cache_gib"] == 2.0 and kwargs["max_num_seqs"] == 8
     assert kwargs["enable_prefix_caching"] is False and kwargs["quantization"] == "auto"
-    assert kwargs["speculative"] == {"method": "ngram", "num_tokens": 3, "draft_model": None,
-                                     "disable_batch_size": 4}
+    # Every speculative option is passed (the unset ones at the config's defaults): the config they build
+    # is the one asked for.
+    assert SpeculativeConfig(**kwargs["speculative"]) == SpeculativeConfig(method="ngram", num_tokens=3,
+                                                                            disable_batch_size=4)
     plain = engine_cmd.engine_kwargs(build_parser().parse_args(["engine"]))
     assert "speculative" not in plain
+
+
+def test_draft_model_alone_asks_for_draft_speculation() -> None:
+    kwargs = engine_cmd.engine_kwargs(build_parser().parse_args(["engine", "--draft-model", "d.gguf",
+                                                                 "--no-prefix-caching"]))
+    assert kwargs["speculative"]["method"] == "draft" and kwargs["speculative"]["draft_model"] == "d.gguf"
+    assert kwargs["enable_prefix_caching"] is False
