@@ -75,6 +75,10 @@ WIRE_FACTS = (
      r"if self\.enable_prompt_tokens_details and num_cached_tokens:"),
     ("stream_error_event", "an error inside a stream is the event `data: <error JSON>` (status stays 200), "
      "then [DONE]", CHAT, r'data = self\.create_streaming_error_response\(str\(e\)\)\s*yield f"data: \{data\}\\n\\n"'),
+    ("listens_once_loaded", "the server binds its port (no listen) first, builds the engine (loads the model), "
+     "and only then serves HTTP: while loading, connections are refused and there is no endpoint to ask", API,
+     r"sock\.bind\(addr\)\s*return sock[\s\S]*setup_server\(args\)[\s\S]{0,1500}"
+     r"async with build_async_engine_client\([\s\S]{0,2500}serve_http\("),
     ("api_key_only_v1", "with --api-key only paths under /v1 need `Authorization: Bearer`; /health, /tokenize "
      "and /metrics stay open; a refusal is 401 `{\"error\": \"Unauthorized\"}` (a string, not an object)", API,
      r'if url_path\.startswith\("/v1"\) and .*\n(?:.*\n){0,2}.*content=\{"error": "Unauthorized"\}'),

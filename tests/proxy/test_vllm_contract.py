@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.fake_engine import serve_loopback
-from tests.support.vllm_standin import CONTRACTS, LATEST, VERSIONS, Contract, VllmStandIn
+from tests.support.vllm_standin import ACTED_FACTS, CONTRACTS, LATEST, VERSIONS, Contract, VllmStandIn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +60,7 @@ def test_what_vllm_serves_and_what_it_does_not(version: str) -> None:
     tokenize = contract.data["schemas"]["TokenizeResponse"]["fields"]
     assert tokenize["count"]["type"] == "int" and tokenize["count"]["required"]
     assert "prompt_tokens_details" in contract.data["schemas"]["UsageInfo"]["fields"]
+    assert ACTED_FACTS <= set(contract.data["wire"])  # what the stand-in acts out, stated by this release
 
 
 def test_releases_differ_where_the_record_says() -> None:

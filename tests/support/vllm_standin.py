@@ -45,6 +45,10 @@ CONTRACTS = Path(__file__).resolve().parent / "contracts" / "vllm"
 VERSIONS = tuple(sorted((p.stem for p in CONTRACTS.glob("*.json")), key=lambda v: tuple(map(int, v.split(".")))))
 LATEST = VERSIONS[-1]
 MODEL = "standin-model"
+# The record's wire facts the stand-in acts out; a release whose record lacks one needs the stand-in reviewed.
+ACTED_FACTS = frozenset({"sse_done", "chunk_json", "completion_chunk_json", "chat_role_chunk",
+                         "usage_needs_stream_options", "usage_chunk", "prompt_tokens_details", "stream_error_event",
+                         "max_tokens_precedence", "listens_once_loaded"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,6 +127,8 @@ class VllmStandIn:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             _metrics_mount(self._metrics_app()),
         ]
+        if missing := ACTED_FACTS - set(self.contract.data["wire"]):
+            raise AssertionError(f"vLLM {self.contract.version}'s record does not state {sorted(missing)}")
         for method, path in self.served:
             if (method, path) not in self.contract.routes:
                 raise AssertionError(f"vLLM {self.contract.version} has no {method} {path}; the stand-in must not")
