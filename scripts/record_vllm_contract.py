@@ -120,7 +120,6 @@ class Source:
                     meta = self._zip.read(name).decode("utf-8")
                     if m := re.search(r"^License(?:-Expression)?: (.+)$", meta, re.M):
                         return m[1].strip()
-        assert self.root is None or True
         text = self.read("LICENSE") or ""
         return "Apache-2.0" if "Apache License" in text and "Version 2.0" in text else "unknown"
 
