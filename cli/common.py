@@ -28,12 +28,18 @@ class UsageError(Exception):
     """Bad command-line input: printed as `decodectl COMMAND: error: ...` with exit code 2."""
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions keep their line breaks; every option's help ends with its default.
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default; a description with line breaks keeps them.
 
     Help text that already names its default (it says "default") is left alone, so a default that is
-    not a plain value ("the model's own", "--model") can be worded by hand.
+    not a plain value ("the model's own", "--model") can be worded by hand. A one-paragraph description
+    is wrapped to the terminal; a module docstring with examples is printed as written.
     """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -69,10 +75,15 @@ def has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
 
 
 def ensure_common_options(parser: argparse.ArgumentParser) -> None:
-    """Give a subcommand built without `subcommand_kwargs()` the common options it lacks.
+    """Give a subcommand built without `subcommand_kwargs()` the formatter and common options it lacks.
 
-    A parser with actions of its own (`models list|pull`) is left alone: its actions carry them.
+    A parser with actions of its own (`models list|pull`) gets only the formatter: its actions carry
+    the options (given to both, the action's default would overwrite the group's value).
     """
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:  # argparse prints nothing, so no default, for an option without help
+        if action.option_strings and action.help is None and not action.required:
+            action.help = "(default: unset)" if action.default is None else "(default: %(default)s)"
     if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
         return
     if not has_option(parser, "--log-level"):
