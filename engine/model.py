@@ -4,6 +4,10 @@ RMSNorm, rotary position embeddings (rotate-half layout, theta from the config),
 attention, SwiGLU MLP, optionally tied embeddings. Shapes: N = tokens in the step (all sequences
 packed), H = query heads, Hkv = key/value heads, D = head dim, C = hidden size.
 
+The families (engine/loader/architectures.py) differ in three places, each off for plain Llama:
+Llama 3.x scales the rotary frequencies (`rope_freq_factors`), Qwen2 adds a bias to q/k/v
+(`qkv_bias`), Qwen3 RMS-normalizes each q and k head before RoPE (`qk_norm`). Mistral is Llama.
+
 `forward` reads and writes the paged cache; `forward_dense` is the plain full-recompute reference the
 tests compare it against.
 """
@@ -20,6 +24,7 @@ from torch import nn
 from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.quant.int4 import Int4Weight, quantize_int4
+from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.quant.linear import (
     Int4Embedding,
     Int4Linear,
@@ -93,7 +98,9 @@ Embedding = nn.Embedding | Int4Embedding | Int8Embedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Over the last dimension; `dim` may be a shape, e.g. (heads, D) for a weight per head (Qwen3)."""
+
+    def __init__(self, dim: int | tuple[int, ...], eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -110,9 +117,11 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 freq_factors: tuple[float, ...] | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.freq_factors = freq_factors  # (D/2,) divisors of the frequencies (Llama 3.x), or None
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
@@ -120,7 +129,10 @@ class Rotary(nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the cos/sin tables in fp32, e.g. after the module was built on the meta device."""
         d = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))  # (D/2,)
+        if self.freq_factors is not None:
+            # Llama 3.x: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+            inv_freq = inv_freq / torch.tensor(self.freq_factors, dtype=torch.float32, device=device)
         angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
         self.cos = torch.cat([angles, angles], dim=-1).cos()  # (P, D)
         # rotate-half negates the first half of the swapped vector; the sign lives in the table, so no
@@ -147,13 +159,25 @@ class Attention(nn.Module):
         # q, k and v in one matmul: the weights are streamed from memory once.
         self.qkv_proj: Projection = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj: Projection = Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen2: q/k/v biases, one add after the (possibly quantized) projection; dense in the activation dtype.
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if cfg.qkv_bias else None
+        # Qwen3: q_norm and k_norm, one weight row per head (q_norm's H times, then k_norm's Hkv times), so
+        # q and k heads normalize in one call, as they rotate in one.
+        self.qk_norm = (RMSNorm((cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps)
+                        if cfg.qk_norm else None)
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        qk, v = torch.split(self.qkv_proj(x), [self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) D)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qk, v = torch.split(qkv, [self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim)  # (N, H + Hkv, D)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         # q and k heads rotate together: one set of elementwise ops per layer instead of two.
-        qk = Rotary.rotate(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = Rotary.rotate(qk, *rope)
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)  # (N, H, D), (N, Hkv, D)
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
@@ -203,6 +227,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Quantized on CPU: which kernels this machine runs and why (engine/quant/kernel_plan.py), set at build.
+    kernel_plan: KernelPlan | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -214,7 +241,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             head.weight = embed.weight
         self.lm_head: Projection = head
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors)
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -290,25 +317,35 @@ class LlamaModel(nn.Module):
     # -- weights -----------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor], *, int4: Mapping[str, Int4Weight] | None = None,
                         weight_format: str = "none", w8a8: bool = False) -> None:
-        """Load HF Llama-named tensors, fusing q/k/v and gate/up as this module lays them out.
+        """Load HF Llama-named tensors (plus Qwen2's `q_proj.bias` etc. and Qwen3's `q_norm.weight` and
+        `k_norm.weight`), fusing q/k/v and gate/up as this module lays them out.
 
         `int4` holds weights that arrive as 4-bit (GGUF Q4_0/Q4_1), by the same names. With
         `weight_format` int8 or int4 the projections, the head and the embedding become quantized
         modules (from the 4-bit codes directly where the format is int4); norms stay dense. `w8a8`: those
         modules run batches of W8A8_ROWS rows or more as int8 x int8 (see engine/quant/w8a8.py)."""
+        cfg = self.config
         source: dict[str, torch.Tensor | Int4Weight] = {**weights, **(int4 or {})}
         fused: dict[str, torch.Tensor | Int4Weight] = {}
-        for i in range(self.config.num_layers):
+        # Norms (and Qwen's biases) stay dense whatever the weight format.
+        state = {name.removeprefix("model."): _dense(w) for name, w in source.items()
+                 if name.endswith("layernorm.weight") or name == "model.norm.weight"}
+        for i in range(cfg.num_layers):
             p, q = f"model.layers.{i}.", f"layers.{i}."
             fused[q + "self_attn.qkv_proj"] = _cat([source[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
             fused[q + "self_attn.o_proj"] = source[p + "self_attn.o_proj.weight"]
             fused[q + "mlp.gate_up_proj"] = _cat([source[p + "mlp.gate_proj.weight"], source[p + "mlp.up_proj.weight"]])
             fused[q + "mlp.down_proj"] = source[p + "mlp.down_proj.weight"]
-        tied = self.config.tie_word_embeddings
+            if cfg.qkv_bias:  # (H D + 2 Hkv D,), laid out as the fused projection's rows
+                state[q + "self_attn.qkv_bias"] = torch.cat([_dense(source[p + f"self_attn.{n}_proj.bias"])
+                                                             for n in "qkv"])
+            if cfg.qk_norm:  # (H + Hkv, D): q_norm's (D,) weight for every q head, then k_norm's for every k head
+                q_norm, k_norm = (_dense(source[p + f"self_attn.{n}_norm.weight"]) for n in "qk")
+                state[q + "self_attn.qk_norm.weight"] = torch.cat(
+                    [q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
+        tied = cfg.tie_word_embeddings
         embedding = source["model.embed_tokens.weight"]
         fused["lm_head"] = embedding if tied else source["lm_head.weight"]
-        dense = {name: _dense(w) for name, w in source.items() if name.endswith("norm.weight")}
-        state = {name.removeprefix("model."): w for name, w in dense.items()}
         if weight_format == "none":
             state.update({f"{name}.weight": _dense(w) for name, w in fused.items() if not (tied and name == "lm_head")})
             state["embed_tokens.weight"] = _dense(embedding)

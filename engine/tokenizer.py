@@ -32,6 +32,11 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2, Qwen2.5 and Qwen3: Llama 3's split, but digits one at a time.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # `tokenizer.ggml.pre` -> the split regex its merges were learned with; None: GPT-2's own regex.
 _PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "default": None,
@@ -41,6 +46,8 @@ _PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 
 

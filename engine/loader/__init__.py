@@ -1,10 +1,12 @@
 """Getting a model from disk into memory.
 
     path = resolve_model_path("smollm2-135m")      # a known name (pulled if missing), a .gguf, or a HF dir
-    model = load_model(path, dtype=torch.float32)  # config + HF-Llama-named weights + tokenizer
+    model = load_model(path, dtype=torch.float32)  # config + HF-named weights + tokenizer
 
 Both loaders hand back the same `LoadedModel`: weights named and shaped like HF's LlamaForCausalLM
-state dict ([out_features, in_features], as nn.Linear stores them), so the model code has one layout.
+state dict ([out_features, in_features], as nn.Linear stores them; Qwen2's q/k/v biases and Qwen3's
+q/k norms as in Qwen2ForCausalLM / Qwen3ForCausalLM), so the model code has one layout. Which families
+load: engine/loader/architectures.py.
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names, the requested dtype, contiguous
+    weights: dict[str, torch.Tensor]  # HF names (LlamaForCausalLM's, + Qwen's biases and q/k norms), contiguous
     tokenizer: Tokenizer
     # With native_int4: the GGUF's Q4_0/Q4_1 tensors, kept 4-bit (and then not in `weights`).
     int4: dict[str, Int4Weight] = field(default_factory=dict)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight a Llama model of this config has, by HF name, with its [out, in] shape."""
+    """Every weight a model of this config has, by HF name, with its [out, in] shape (or (out,) for
+    biases and norms)."""
     hidden, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
@@ -71,6 +74,12 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_dim, hidden)
         shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_dim, hidden)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_dim)
+        if config.qkv_bias:
+            shapes.update({f"{prefix}.self_attn.q_proj.bias": (q_dim,), f"{prefix}.self_attn.k_proj.bias": (kv_dim,),
+                           f"{prefix}.self_attn.v_proj.bias": (kv_dim,)})
+        if config.qk_norm:
+            shapes.update({f"{prefix}.self_attn.q_norm.weight": (config.head_dim,),
+                           f"{prefix}.self_attn.k_norm.weight": (config.head_dim,)})
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
         shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
         shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
@@ -90,7 +99,7 @@ def check_weights(weights: Mapping[str, torch.Tensor | Int4Weight], config: Mode
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         raise UnsupportedModelError(
-            f"{source}: unexpected weight(s) {', '.join(unexpected[:3])} (not a plain Llama architecture?)"
+            f"{source}: unexpected weight(s) {', '.join(unexpected[:3])} (not the architecture its config names?)"
         )
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:

@@ -314,8 +314,6 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
 
 def write_tiny_hf_dir(path: Path, *, tied: bool) -> dict[str, torch.Tensor]:
     """A random LlamaForCausalLM saved by transformers itself, plus a tokenizer built with `tokenizers`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, processors
-    from tokenizers.models import BPE
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -324,6 +322,16 @@ def write_tiny_hf_dir(path: Path, *, tied: bool) -> dict[str, torch.Tensor]:
                          rope_theta=20000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return dict(model.state_dict())
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """tokenizer.json (byte-level BPE over TOKENS), tokenizer_config.json with the chat template, and two
+    EOS ids in the generation_config.json that save_pretrained wrote."""
+    from tokenizers import AddedToken, Tokenizer, decoders, processors
+    from tokenizers.models import BPE
+
     merges = [(left, right) for left, _, right in (m.partition(" ") for m in MERGES)]
     backend = Tokenizer(BPE(vocab={t: i for i, t in enumerate(TOKENS)}, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -337,7 +345,6 @@ def write_tiny_hf_dir(path: Path, *, tied: bool) -> dict[str, torch.Tensor]:
     }))
     generation = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": [2, 0]}))
-    return dict(model.state_dict())
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -358,9 +365,14 @@ def test_tiny_hf_dir_loads(tmp_path: Path, tied: bool) -> None:
 def test_hf_dir_with_other_architecture_is_unsupported(tmp_path: Path) -> None:
     write_tiny_hf_dir(tmp_path, tied=True)
     config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt_neox",
+                                                                 "architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="gpt_neox.*llama, mistral, qwen2, qwen3.*engine.kind: vllm"):
+        load_model(tmp_path)
+    # A supported model_type whose weights are another family's: Qwen2 has q/k/v biases, Llama does not.
     (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "qwen2",
                                                                  "architectures": ["Qwen2ForCausalLM"]}))
-    with pytest.raises(UnsupportedModelError, match="qwen2"):
+    with pytest.raises(UnsupportedModelError, match="missing .*q_proj.bias"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": LAYERS + 1}))
     with pytest.raises(UnsupportedModelError, match="missing"):

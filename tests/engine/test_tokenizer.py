@@ -124,8 +124,8 @@ def test_gguf_tokenizer_rejects_unsupported_kinds() -> None:
     assert Tokenizer.from_gguf_metadata(base).encode("abab") == [2, 2]
     with pytest.raises(UnsupportedModelError, match="'llama'"):
         Tokenizer.from_gguf_metadata(base | {"tokenizer.ggml.model": "llama"})
-    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'qwen2'"):
-        Tokenizer.from_gguf_metadata(base | {"tokenizer.ggml.pre": "qwen2"})
+    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'chatglm-bpe'"):
+        Tokenizer.from_gguf_metadata(base | {"tokenizer.ggml.pre": "chatglm-bpe"})
     with pytest.raises(UnsupportedModelError, match="outside the vocabulary"):
         Tokenizer.from_gguf_metadata(base | {"tokenizer.ggml.eos_token_id": 7})
 
