@@ -171,11 +171,13 @@ def _cache_env() -> list[dict[str, str]]:
             {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/torchinductor"}]
 
 
-def _proxy_container(opts: BuildOptions) -> dict[str, Any]:
+def _proxy_container(v: ValidatedSpec, opts: BuildOptions) -> dict[str, Any]:
     return {
         "name": "proxy", "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
         "command": ["decodectl"],
-        "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}", "--host", "0.0.0.0",
+        # --engine-kind: the proxy's /ready asks the engine's own readiness route (vLLM has no /ready).
+        "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}",
+                 "--engine-kind", v.spec.engine.kind.value, "--host", "0.0.0.0",
                  "--port", str(PROXY_PORT), "--policy", f"{POLICY_DIR}/policy.yaml",
                  "--drain-timeout", str(opts.proxy_drain_timeout_seconds)],
         "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
@@ -234,7 +236,7 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         "automountServiceAccountToken": False,  # the pods never talk to the API server
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": opts.termination_grace_seconds,
-        "containers": [_engine_container(v, opts, plan), _proxy_container(opts)],
+        "containers": [_engine_container(v, opts, plan), _proxy_container(v, opts)],
         "volumes": volumes,
     }
     init = _init_container(plan, opts)
@@ -244,8 +246,10 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         pod_spec["nodeSelector"] = dict(res.node_selector)
     if res.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations]
-    # GPUs are scarce: replace pods one at a time instead of surging an extra GPU pod.
-    rolling = {"maxSurge": 0, "maxUnavailable": 1} if res.gpus > 0 else {"maxSurge": 1, "maxUnavailable": 0}
+    # By default a new pod is Ready before an old one goes (a one-replica service keeps serving);
+    # spec.rollout lets a GPU-quota-bound cluster replace in place instead.
+    rollout = v.spec.rollout
+    rolling = {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, labels),
         "spec": {

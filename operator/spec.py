@@ -143,6 +143,15 @@ class RoutingSpec(_Model):
     inference_pool: InferencePoolSpec = Field(default_factory=lambda: InferencePoolSpec.model_validate({}))
 
 
+class RolloutSpec(_Model):
+    """The Deployment's rolling update, in pods. The default surges one new pod and keeps every old one
+    serving until it is Ready, so a one-replica service never goes down on a spec change; a cluster whose
+    GPU quota has no room for the extra pod sets maxSurge 0, maxUnavailable 1 (down while it rolls)."""
+
+    max_surge: int = Field(1, ge=0, le=100)
+    max_unavailable: int = Field(0, ge=0, le=100)
+
+
 class DecodeServiceSpec(_Model):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec.model_validate({}))
@@ -150,6 +159,7 @@ class DecodeServiceSpec(_Model):
     replicas: int = Field(1, ge=0, le=1000)
     autoscaling: AutoscalingSpec = Field(default_factory=lambda: AutoscalingSpec.model_validate({}))
     routing: RoutingSpec = Field(default_factory=lambda: RoutingSpec.model_validate({}))
+    rollout: RolloutSpec = Field(default_factory=lambda: RolloutSpec.model_validate({}))
     # Kept as the raw mapping here; `policy` below validates it with the proxy's own model.
     policies: dict[str, Any] = Field(default_factory=dict)
 
@@ -202,6 +212,9 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(path=("routing", "inferencePool", "endpointPickerRef"), rule="self.kind != 'Service' || has(self.port)",
             message="port is required when kind is 'Service' or unspecified (defaults to 'Service')",
             check=lambda o: o.get("kind", "Service") != "Service" or "port" in o),
+    CelRule(path=("rollout",), rule="self.maxSurge > 0 || self.maxUnavailable > 0",
+            message="maxSurge and maxUnavailable cannot both be 0 (the rollout could never replace a pod)",
+            check=lambda o: int(o.get("maxSurge", 1)) > 0 or int(o.get("maxUnavailable", 0)) > 0),
     CelRule(path=("policies", "outputLength"), rule="self.defaultMaxTokens <= self.maxOutputTokens",
             message="defaultMaxTokens must be <= maxOutputTokens",
             check=lambda o: int(o.get("defaultMaxTokens", 256)) <= int(o.get("maxOutputTokens", 2048))),
@@ -318,6 +331,11 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
                                    "model's quantization")
         if engine.compile:
             raise InvalidSpecError("spec.engine.compile: a builtin-engine mode; vLLM compiles its own graphs")
+    if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 1:
+        # One process on one device: a second GPU would sit idle while the pod holds it.
+        raise InvalidSpecError(f"spec.resources.gpus: the builtin engine runs on one GPU (it has no tensor "
+                               f"parallelism), not {spec.resources.gpus}; use engine.kind vllm for a model that "
+                               "needs several")
     if (engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0
             and engine.quantization in (Quantization.INT8, Quantization.INT4)):
         # The engine's int8/int4 kernels are CPU ones: the pod would fail at start-up, every time.
