@@ -1,6 +1,9 @@
-# One image for the operator, the engine and the proxy: `decodectl operator|engine|proxy`.
-#   docker build --build-arg TORCH_VARIANT=cpu  -t decodeservice:cpu .
-#   docker build --build-arg TORCH_VARIANT=cu128 -t decodeservice:cuda .
+# One Dockerfile, two images of `decodectl operator|engine|proxy`, told apart by the torch wheel:
+#   docker build --build-arg TORCH_VARIANT=cpu   -t ghcr.io/decodeservice/decodeservice:0.1.0 .
+#   docker build --build-arg TORCH_VARIANT=cu128 -t ghcr.io/decodeservice/decodeservice:0.1.0-cuda .
+# The operator runs the CPU one for the proxy, the model download and CPU engines, and the CUDA one for
+# builtin engines with resources.gpus > 0 (the chart's image.tag and image.cudaTag; `--cuda-image`). The
+# CUDA wheels bring their CUDA libraries; the node's driver comes in through the NVIDIA container runtime.
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
@@ -27,8 +30,10 @@ ENV HF_HOME=/opt/models/huggingface
 RUN decodectl models pull smollm2-135m --cache-dir /opt/models
 
 FROM python:${PYTHON_VERSION}-slim
+ARG TORCH_VARIANT=cpu
 LABEL org.opencontainers.image.source="https://github.com/decodeservice/decodeservice" \
-      org.opencontainers.image.description="DecodeService: engine, proxy and operator"
+      org.opencontainers.image.description="DecodeService: engine, proxy and operator (torch ${TORCH_VARIANT})" \
+      dev.decodeservice.torch-variant="${TORCH_VARIANT}"
 # g++: `compile: true` (engine/compiled_step.py) has inductor build the decode step's kernels at start-up.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 decode && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin decode

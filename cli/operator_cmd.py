@@ -18,7 +18,10 @@ def register(subparsers: Any) -> None:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (default)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
-    parser.add_argument("--image", default=None, help="image of the engine/proxy containers (default: built-in)")
+    parser.add_argument("--image", default=None, help="image of the proxy, the init container and CPU engines "
+                        "(CPU torch; default: built-in)")
+    parser.add_argument("--cuda-image", default=None, help="image of builtin engines with resources.gpus > 0 "
+                        "(CUDA torch; default: built-in)")
     parser.add_argument("--vllm-image", default=None, help="default image for engine.kind=vllm")
     parser.add_argument("--resync-seconds", type=float, default=60.0, help="drift repair interval (default 60)")
     parser.add_argument("--drain-seconds", type=int, default=10, help="pods' preStop drain (default 10)")
@@ -38,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     build_kwargs: dict[str, Any] = {"drain_seconds": args.drain_seconds}
     if args.image:
         build_kwargs["image"] = args.image
+    if args.cuda_image:
+        build_kwargs["cuda_image"] = args.cuda_image
     if args.vllm_image:
         build_kwargs["vllm_image"] = args.vllm_image
     try:

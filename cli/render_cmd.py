@@ -29,6 +29,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--namespace", "-n", default="default", help="namespace when the manifest has none")
     parser.add_argument("--image", default=None,
                         help="image of the engine/proxy containers (default: the operator's built-in image)")
+    parser.add_argument("--cuda-image", default=None,
+                        help="image of builtin engines with resources.gpus > 0 (default: the operator's)")
     parser.add_argument("--vllm-image", default=None,
                         help="image for engine.kind=vllm without engine.image (default: the operator's)")
     parser.set_defaults(func=run)
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.image:
         options["image"] = args.image
+    if args.cuda_image:
+        options["cuda_image"] = args.cuda_image
     if args.vllm_image:
         options["vllm_image"] = args.vllm_image
     objects: list[dict[str, Any]] = []

@@ -28,7 +28,10 @@ from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.inference_pool import build_inference_pool, pod_labels
 from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSpec, validate_spec
 
+# Two builds of one Dockerfile (TORCH_VARIANT): CPU torch for the proxy, the init container and CPU
+# engines; CUDA torch for builtin engines with resources.gpus > 0 (the CPU wheel cannot see a GPU).
 DEFAULT_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0"
+DEFAULT_CUDA_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0-cuda"
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.9.2"
 POLICY_DIR = "/etc/decodeservice"
 MANAGED_BY = "decodeservice-operator"
@@ -59,14 +62,15 @@ class BuildOptions:
     """Operator-wide settings that are not part of any one DecodeService."""
 
     image: str = DEFAULT_IMAGE
+    cuda_image: str = DEFAULT_CUDA_IMAGE
     vllm_image: str = DEFAULT_VLLM_IMAGE
     image_pull_policy: str = "IfNotPresent"
     drain_seconds: int = 10  # preStop wait so endpoints drop the pod before the proxy stops accepting
     proxy_drain_timeout_seconds: int = 30  # after SIGTERM, how long the proxy lets in-flight streams finish
 
     def __post_init__(self) -> None:
-        if not self.image or not self.vllm_image:
-            raise ValueError("image and vllm_image must be non-empty")
+        if not self.image or not self.cuda_image or not self.vllm_image:
+            raise ValueError("image, cuda_image and vllm_image must be non-empty")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise ValueError(f"image_pull_policy must be Always, IfNotPresent or Never, not {self.image_pull_policy!r}")
         if not 0 <= self.drain_seconds <= 300:
@@ -137,7 +141,7 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
     res = v.spec.resources
     command, args = engine_command(v, plan)
     vllm = v.spec.engine.kind is EngineKind.VLLM
-    image = v.spec.engine.image or (opts.vllm_image if vllm else opts.image)
+    image = v.spec.engine.image or engine_image(v, opts)
     limits: dict[str, str] = {"memory": res.memory}
     if res.gpus > 0:
         limits["nvidia.com/gpu"] = str(res.gpus)
@@ -159,6 +163,13 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": mounts,
     }
+
+
+def engine_image(v: ValidatedSpec, opts: BuildOptions) -> str:
+    """The engine's default image: vLLM's, else ours built for the device (CUDA torch when gpus > 0)."""
+    if v.spec.engine.kind is EngineKind.VLLM:
+        return opts.vllm_image
+    return opts.cuda_image if v.spec.resources.gpus > 0 else opts.image
 
 
 def _cache_env() -> list[dict[str, str]]:

@@ -14,7 +14,7 @@ from tests.operator.helpers import CHART
 from tests.operator.security import containers, rbac_violations, restricted_violations
 
 K8S_VERSION = "1.37"  # the newest kubernetes-validate ships schemas for
-CUSTOM = {"image": {"repository": "registry.example.com/ds", "tag": "9.9.9"}, "watchNamespaces": ["team-a", "team-b"],
+CUSTOM = {"image": {"repository": "registry.example.com/ds", "tag": "9.9.9", "cudaTag": "9.9.9-gpu"}, "watchNamespaces": ["team-a", "team-b"],
           "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
           "podAnnotations": {"a": "b"}, "nodeSelector": {"pool": "system"}, "resyncSeconds": 30}
 
@@ -51,6 +51,9 @@ def test_default_values_run_cluster_wide_with_the_default_image(chart: helm_pyth
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}"
     assert "--all-namespaces" in container["args"]
+    args = container["args"]
+    assert args[args.index("--image") + 1] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}"
+    assert args[args.index("--cuda-image") + 1] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}-cuda"
     assert container["args"][container["args"].index("--autoscale-interval") + 1] == "5"
     assert {d["kind"] for d in docs} >= {"ClusterRole", "ClusterRoleBinding"}
     assert not any(d["kind"] == "ServiceMonitor" for d in docs)
@@ -61,6 +64,7 @@ def test_custom_values_scope_rbac_and_override_the_image(chart: helm_python.Char
     dep = next(d for d in docs if d["kind"] == "Deployment")
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "registry.example.com/ds:9.9.9"
+    assert container["args"][container["args"].index("--cuda-image") + 1] == "registry.example.com/ds:9.9.9-gpu"
     assert container["args"][:5] == ["operator", "--namespace", "team-a", "--namespace", "team-b"]
     roles = [d for d in docs if d["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]

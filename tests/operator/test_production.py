@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from decodeservice.operator.errors import InvalidSpecError
-from decodeservice.operator.manifests import Children, render
-from tests.operator.helpers import CHART, example_paths, load
+from decodeservice.operator.manifests import DEFAULT_CUDA_IMAGE, DEFAULT_IMAGE, BuildOptions, Children, render
+from tests.operator.helpers import CHART, ROOT, example_paths, load
 from tests.operator.schema import validate
 
 K8S_VERSION = "1.37"
@@ -95,3 +95,22 @@ def test_the_chart_floor_allows_the_rendered_prestop_form() -> None:
         for obj in render(load(path)).all():
             if obj["kind"] != "InferencePool":
                 kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_gpu_pods_run_the_cuda_image_and_the_rest_the_cpu_one() -> None:
+    gpu = render(minimal(model={"uri": "hf://org/m"}, resources={"gpus": 1}, engine={"quantization": "none"}))
+    assert container(gpu, "engine")["image"] == BuildOptions().cuda_image == DEFAULT_CUDA_IMAGE
+    assert container(gpu, "proxy")["image"] == container(gpu, "fetch-model")["image"] == DEFAULT_IMAGE
+    assert container(render(minimal()), "engine")["image"] == DEFAULT_IMAGE
+    own = BuildOptions(image="r/ds:1", cuda_image="r/ds:1-cu")
+    assert container(render(minimal(resources={"gpus": 1}, engine={"quantization": "none"}), options=own),
+                     "engine")["image"] == "r/ds:1-cu"
+    pinned = minimal(resources={"gpus": 1}, engine={"quantization": "none", "image": "r/mine:2"})
+    assert container(render(pinned), "engine")["image"] == "r/mine:2"  # engine.image overrides the pick
+
+
+def test_the_dockerfile_builds_both_images_the_operator_names() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert 'index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"' in text
+    assert f"--build-arg TORCH_VARIANT=cpu   -t {DEFAULT_IMAGE} ." in text
+    assert f"--build-arg TORCH_VARIANT=cu128 -t {DEFAULT_CUDA_IMAGE} ." in text

@@ -45,6 +45,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The CUDA build of the same image: builtin engines with resources.gpus > 0 run it. */}}
+{{- define "decodeservice-operator.cudaImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.cudaTag) }}
+{{- end }}
+
 {{/* The rules the operator needs, nothing more: no wildcards, no Secrets. */}}
 {{- define "decodeservice-operator.rules" -}}
 - apiGroups: ["decode.dev"]
