@@ -203,8 +203,9 @@ def _value_keys(text: str) -> list[ValueKey]:
         if stripped.startswith("# --"):
             comment = [stripped[4:].strip()]
             continue
-        if stripped.startswith("#") and comment:
-            comment.append(stripped[1:].strip())
+        if stripped.startswith("#"):  # a `# --` comment's continuation, or a plain comment (not a key)
+            if comment:
+                comment.append(stripped[1:].strip())
             continue
         if not stripped or stripped.startswith("-") or ":" not in stripped:
             continue

@@ -132,3 +132,14 @@ def test_docs_name_only_results_that_exist() -> None:
                 if re.match(r"^[a-z]", name) and "_" in name and name not in known and not name.startswith("report"):
                     missing.append(f"{page.relative_to(ROOT)}: {name}")
     assert missing == []
+
+
+def test_readme_states_the_charts_kubernetes_version() -> None:
+    chart = yaml.safe_load((ROOT / "charts" / "decodeservice-operator" / "Chart.yaml").read_text(encoding="utf-8"))
+    raw = chart["kubeVersion"]
+    match = re.fullmatch(r">=\s*(\d+)\.(\d+)\.\d+(-0)?", raw)
+    assert match, f"kubeVersion {raw!r} is not a plain lower bound; reword the README's prerequisites"
+    minor = f"{match[1]}.{match[2]}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"Kubernetes **{minor} or newer**" in readme and f'`kubeVersion: "{raw}"`' in readme
+    assert f"kubernetes-validate --strict -k {minor} -" in readme
