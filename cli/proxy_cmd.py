@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     lifecycle = Lifecycle(phase=Phase.READY)
     try:
         app = create_app(policy, upstream, tokenizer_path=str(args.tokenizer) if args.tokenizer else None,
-                         lifecycle=lifecycle, upstream_health=health)
+                         lifecycle=lifecycle, engine_kind=args.engine_kind, upstream_health=health)
     except Exception as exc:  # a tokenizer file that does not load
         raise UsageError(f"cannot start the proxy: {exc}") from None
     serve(app, lifecycle=lifecycle, host=args.host, port=args.port, drain_timeout=args.drain_timeout,

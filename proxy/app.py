@@ -37,7 +37,7 @@ from decodeservice.proxy.streaming import UpstreamTimeouts
 from decodeservice.proxy.tenant_rate import TenantRateLimit
 from decodeservice.proxy.tokens import LocalTokenCounter, TokenCounter, UpstreamTokenCounter
 from decodeservice.proxy.upstream import Forwarder, PassThrough, make_client
-from decodeservice.proxy.upstream_health import UpstreamHealth
+from decodeservice.proxy.upstream_health import EngineKind, UpstreamHealth
 from decodeservice.serving.errors import (
     Draining,
     OpenAIError,
@@ -132,16 +132,19 @@ def create_app(
     *,
     tokenizer_path: str | None = None,
     lifecycle: Lifecycle | None = None,
+    engine_kind: EngineKind | str = EngineKind.BUILTIN,
     upstream_health: UpstreamHealth | None = None,
 ) -> ProxyApp:
     """Build the proxy. `lifecycle` lets the server (or a test) start draining; one is made if absent.
-    `upstream_health` is what /ready asks the upstream (default: the builtin engine's /ready)."""
+    `engine_kind` is what the upstream is; `upstream_health` what /ready asks it (default: the kind's path)."""
     metrics = ProxyMetrics(policy)
     lifecycle = lifecycle or Lifecycle(phase=Phase.READY)
-    health_check = upstream_health or UpstreamHealth()
+    kind = EngineKind(engine_kind)
+    health_check = upstream_health or UpstreamHealth.for_engine(kind)
     client = make_client(max_connections=policy.admission.max_inflight + 16)
     counter: TokenCounter = (
-        LocalTokenCounter(tokenizer_path) if tokenizer_path else UpstreamTokenCounter(client, upstream_url)
+        LocalTokenCounter(tokenizer_path) if tokenizer_path
+        else UpstreamTokenCounter(client, upstream_url, engine_kind=kind)
     )
     slo = policy.slo
     timeouts = UpstreamTimeouts(

@@ -13,6 +13,7 @@ import httpx
 
 from decodeservice.proxy.context import RequestContext
 from decodeservice.proxy.errors import UpstreamUnavailable
+from decodeservice.proxy.upstream_health import EngineKind
 from decodeservice.serving.errors import BadRequest
 
 
@@ -47,17 +48,31 @@ def _prompt_parts(body: dict[str, Any]) -> tuple[list[str], int]:
                      reason="invalid_field")
 
 
+# The chat request's fields that change what vLLM's chat template renders; its /tokenize takes the same
+# ones (TokenizeChatRequest, tests/support/contracts/vllm/), so a request's tool definitions are counted.
+# The builtin engine's /tokenize takes none of them (and its chat refuses tools).
+TEMPLATE_FIELDS = {
+    EngineKind.BUILTIN: (),
+    EngineKind.VLLM: ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                      "tools"),
+}
+
+
 class UpstreamTokenCounter:
     """Counts with the engine's own tokenizer and chat template (POST /tokenize)."""
 
-    def __init__(self, client: httpx.AsyncClient, upstream_url: str):
+    def __init__(self, client: httpx.AsyncClient, upstream_url: str, *,
+                 engine_kind: EngineKind = EngineKind.BUILTIN):
         self._client = client
         self._url = upstream_url.rstrip("/") + "/tokenize"
+        self._template_fields = TEMPLATE_FIELDS[engine_kind]
 
     async def count(self, body: dict[str, Any]) -> int:
         if "messages" in body:
             _prompt_parts(body)  # validates the shape before it goes upstream
-            return await self._tokenize({"messages": body["messages"]})
+            payload = {"messages": body["messages"]}
+            payload.update((f, body[f]) for f in self._template_fields if body.get(f) is not None)
+            return await self._tokenize(payload)
         texts, known = _prompt_parts(body)
         for text in texts:
             known += await self._tokenize({"prompt": text})

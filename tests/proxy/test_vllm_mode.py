@@ -23,12 +23,10 @@ import yaml
 
 from decodeservice.operator.autoscaler.scrape import parse_metrics
 from decodeservice.operator.manifests import render
-from decodeservice.proxy.upstream_health import UpstreamHealth
 from tests.support.fake_engine import serve_loopback
 from tests.support.vllm_standin import VERSIONS, Contract, VllmStandIn
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM = UpstreamHealth.for_engine("vllm")
 CAP = {"outputLength": {"maxOutputTokens": 6, "defaultMaxTokens": 4}}
 
 
@@ -130,7 +128,7 @@ async def test_the_proxy_as_the_operator_renders_it_for_vllm(tmp_path: Path) -> 
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_clamped_chat_stream_in_process(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version))
-    async with serve_loopback(standin.app()) as url, proxy(CAP, url, upstream_health=VLLM) as (app, client):
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (app, client):
         assert (await client.get("/ready")).status_code == 200
         await _stream_clamped_chat(client, standin)
         metrics = (await client.get("/metrics")).text
@@ -141,7 +139,7 @@ async def test_clamped_chat_stream_in_process(version: str, proxy: Any) -> None:
 async def test_max_completion_tokens_is_the_limit_vllm_obeys(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version))
     body = {"model": standin.model, "prompt": "x", "max_tokens": 2, "max_completion_tokens": 90}
-    async with serve_loopback(standin.app()) as url, proxy(CAP, url, upstream_health=VLLM) as (_, client):
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (_, client):
         response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200 and response.headers["x-decode-clamped"] == "90"
     assert response.json()["usage"]["completion_tokens"] == 6  # vLLM took max_completion_tokens, clamped
@@ -151,7 +149,7 @@ async def test_max_completion_tokens_is_the_limit_vllm_obeys(version: str, proxy
 async def test_the_prompt_is_counted_by_vllms_tokenize(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version))
     policy = {"outputLength": {"maxInputTokens": 8}}
-    async with serve_loopback(standin.app()) as url, proxy(policy, url, upstream_health=VLLM) as (_, client):
+    async with serve_loopback(standin.app()) as url, proxy(policy, url, engine_kind="vllm") as (_, client):
         ok = await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 1})
         long = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a b c"}],
                                                                "max_tokens": 1})
@@ -162,10 +160,22 @@ async def test_the_prompt_is_counted_by_vllms_tokenize(version: str, proxy: Any)
         standin.received
 
 
+async def test_a_chats_tools_are_counted_with_its_prompt(proxy: Any) -> None:
+    standin = VllmStandIn()
+    tools = [{"type": "function", "function": {"name": "f", "description": "a b c d e f g h"}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 1}
+    policy = {"outputLength": {"maxInputTokens": 10}}
+    async with serve_loopback(standin.app()) as url, proxy(policy, url, engine_kind="vllm") as (_, client):
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400  # 7 for the message and template, 14 more for the tools
+    assert response.json()["error"]["message"].startswith("the prompt has 21 tokens")
+    assert standin.received[0] == {"messages": body["messages"], "tools": tools}
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_vllm_series_are_relayed_for_the_autoscaler(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version), kv_cache_usage=0.375)
-    async with serve_loopback(standin.app()) as url, proxy({}, url, upstream_health=VLLM) as (_, client):
+    async with serve_loopback(standin.app()) as url, proxy({}, url, engine_kind="vllm") as (_, client):
         text = (await client.get("/metrics")).text
     relayed = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
     expected = {s for m in standin.contract.metrics for s in m["samples"]}
@@ -178,7 +188,7 @@ async def test_vllm_series_are_relayed_for_the_autoscaler(version: str, proxy: A
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_vllm_errors_pass_through_in_its_own_shape(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version))
-    async with serve_loopback(standin.app()) as url, proxy({}, url, upstream_health=VLLM) as (_, client):
+    async with serve_loopback(standin.app()) as url, proxy({}, url, engine_kind="vllm") as (_, client):
         wrong = await client.post("/v1/chat/completions", json={"model": "other", "messages": [], "max_tokens": 1})
         models = await client.get("/v1/models")
     assert wrong.status_code == 404
@@ -191,7 +201,7 @@ async def test_vllm_errors_pass_through_in_its_own_shape(version: str, proxy: An
 async def test_an_error_event_mid_stream_is_not_a_met_slo(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version), fail_mid_stream_after=2)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
-    async with serve_loopback(standin.app()) as url, proxy({}, url, upstream_health=VLLM) as (_, client):
+    async with serve_loopback(standin.app()) as url, proxy({}, url, engine_kind="vllm") as (_, client):
         response = await client.post("/v1/chat/completions", json=body)
         metrics = (await client.get("/metrics")).text
     events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
@@ -203,7 +213,7 @@ async def test_an_error_event_mid_stream_is_not_a_met_slo(version: str, proxy: A
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_a_completion_stream_without_usage_is_counted_by_its_token_events(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version))
-    async with serve_loopback(standin.app()) as url, proxy(CAP, url, upstream_health=VLLM) as (_, client):
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (_, client):
         response = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
         metrics = (await client.get("/metrics")).text
     chunks = [e for e in response.text.split("\n\n") if e]

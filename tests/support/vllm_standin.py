@@ -183,6 +183,7 @@ class VllmStandIn:
         if isinstance(body.get("messages"), list):  # TokenizeChatRequest: the chat template's tokens too
             texts = [str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict)]
             count = sum(len(t.split()) + 3 for t in texts) + (3 if body.get("add_generation_prompt", True) else 0)
+            count += len(json.dumps(body.get("tools") or []).split()) if body.get("tools") else 0  # rendered too
         elif isinstance(body.get("prompt"), str):  # TokenizeCompletionRequest: BOS unless told otherwise
             count = len(body["prompt"].split()) + (1 if body.get("add_special_tokens", True) else 0)
         else:
