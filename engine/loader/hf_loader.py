@@ -18,13 +18,18 @@ from decodeservice.engine.loader.architectures import check_hf_config, rope_para
 from decodeservice.engine.tokenizer import Tokenizer
 
 
+def read_hf_config(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """The architecture and tokenizer of a HF model directory, without reading its weights."""
+    raw = _read_config(path / "config.json")
+    tokenizer = Tokenizer.from_hf_dir(path)
+    return _config(raw, tokenizer, path=path), tokenizer
+
+
 def load_hf_dir(path: Path, *, dtype: torch.dtype) -> LoadedModel:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    raw = _read_config(path / "config.json")
-    tokenizer = Tokenizer.from_hf_dir(path)
-    config = _config(raw, tokenizer, path=path)
+    config, tokenizer = read_hf_config(path)
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
