@@ -38,9 +38,10 @@ def _free_port() -> int:
 
 
 def _rendered_proxy(policies: dict[str, Any]) -> tuple[list[str], str, str]:
-    """The proxy container's args, its policy.yaml and the engine image of examples/vllm-proxy.yaml."""
+    """The proxy container's args, its policy.yaml and the engine image of examples/vllm-proxy.yaml,
+    with `policies` set over the example's own."""
     body = yaml.safe_load((ROOT / "examples" / "vllm-proxy.yaml").read_text())
-    body["spec"]["policies"] = policies
+    body["spec"]["policies"] = {**body["spec"].get("policies", {}), **policies}
     children = render(body)
     pod = children.deployment["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod["containers"]}
@@ -106,14 +107,10 @@ async def test_decodectl_proxy_engine_kind_vllm_becomes_ready_and_streams_clampe
                           "--policy", str(policy)], standin, tmp_path)
 
 
-_ARGS, _, _ = _rendered_proxy(CAP)
-
-
-@pytest.mark.xfail("--engine-kind" not in _ARGS, strict=True,
-                   reason="the operator does not render --engine-kind for engine.kind vllm yet (issue 25)")
 async def test_the_proxy_as_the_operator_renders_it_for_vllm(tmp_path: Path) -> None:
     args, policy_yaml, image = _rendered_proxy(CAP)
-    assert args[args.index("--engine-kind") + 1] == "vllm"
+    assert args[args.index("--engine-kind") + 1] == "vllm"  # what the operator renders for engine.kind vllm
+    assert "maxInflight: 256" in policy_yaml  # the example's own policies, the output cap lowered
     version = image.rsplit(":", 1)[1].removeprefix("v")
     assert version in VERSIONS, f"no contract for {image}: run scripts/record_vllm_contract.py for vLLM {version}"
     policy = tmp_path / "policy.yaml"
