@@ -36,7 +36,9 @@ _TOKEN = re.compile(rb'"(?:text|content|reasoning_content)"\s*:\s*"[^"]|"tool_ca
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 # An engine's error inside a stream: `data: {"error": {...}}` (vLLM from 0.10, OpenAI), or the flat
 # `data: {"object": "error", ...}` of vLLM before 0.10 (tests/support/contracts/vllm/).
-_ERROR_EVENT = re.compile(rb'data:\s*\{\s*"(?:error"\s*:|object"\s*:\s*"error")')
+# A prefix test, and only on events without a token: a token event pays nothing for it.
+_ERROR_EVENT = tuple(b"data:" + sp + b'{"' + key for sp in (b" ", b"")
+                     for key in (b'error"', b'object":"error"', b'object": "error"'))
 
 
 class SseMeter:
@@ -60,10 +62,10 @@ class SseMeter:
                 continue
             if _TOKEN.search(line) is not None:
                 self.token_times.append(now)
+            elif line.startswith(_ERROR_EVENT):  # an error event carries no token (its text is escaped)
+                self.error_event = True
             if b'"usage"' in line and (m := _COMPLETION_TOKENS.search(line)) is not None:
                 self.usage_completion_tokens = int(m[1])
-            elif b'"error"' in line[:64] and _ERROR_EVENT.match(line) is not None:
-                self.error_event = True
 
     @property
     def output_tokens(self) -> int:

@@ -65,3 +65,25 @@ def test_two_events_in_one_chunk_are_two_tokens() -> None:
     meter = SseMeter()
     meter.feed(_sse(TOKEN_EVENTS[0], compact=True) + _sse(TOKEN_EVENTS[1], compact=True), 2.0)
     assert meter.token_times == [2.0, 2.0]
+
+
+ERROR_EVENTS: list[dict[str, Any]] = [
+    {"error": {"message": "boom", "type": "BadRequestError", "param": None, "code": 400}},  # vLLM >= 0.10, OpenAI
+    {"object": "error", "message": "boom", "type": "BadRequestError", "param": None, "code": 400},  # vLLM < 0.10
+]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("event", ERROR_EVENTS)
+def test_an_engines_error_event_is_noticed(event: dict[str, Any], compact: bool) -> None:
+    meter = SseMeter()
+    meter.feed(_sse(event, compact=compact), 1.0)
+    assert meter.error_event and meter.token_times == []
+
+
+@pytest.mark.parametrize("event", [*TOKEN_EVENTS, *NON_TOKEN_EVENTS,
+                                   {"choices": [{"index": 0, "delta": {"content": '{"error": 1}'}}]}])
+def test_no_other_event_is_an_error(event: dict[str, Any]) -> None:
+    meter = SseMeter()
+    meter.feed(_sse(event, compact=True) + _sse(event, compact=False), 1.0)
+    assert not meter.error_event
