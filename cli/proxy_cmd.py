@@ -15,9 +15,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8001")
     parser.add_argument("--engine-kind", choices=["builtin", "vllm"], default="builtin",
                         help="what the upstream is; picks the path /ready asks it: builtin GET /ready, "
-                        "vllm GET /health (vLLM has no /ready) (default builtin)")
+                        "vllm GET /health (vLLM has no /ready)")
     parser.add_argument("--upstream-health-path", default=None, metavar="PATH",
-                        help="override the upstream path /ready asks (200 means ready), e.g. /health")
+                        help="override the upstream path /ready asks (200 means ready), e.g. /health; "
+                        "unset: the engine kind's")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--policy", type=Path, help="policy.yaml (default: every policy at its default)")
