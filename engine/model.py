@@ -24,6 +24,7 @@ from torch import nn
 from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.quant.int4 import Int4Weight, quantize_int4
+from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.quant.linear import (
     Int4Embedding,
     Int4Linear,
@@ -226,6 +227,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Quantized on CPU: which kernels this machine runs and why (engine/quant/kernel_plan.py), set at build.
+    kernel_plan: KernelPlan | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -20,11 +20,10 @@ from decodeservice.engine.attention import (
     slot_of,
     slot_runs,
 )
-from decodeservice.engine.compiled_step import CompiledStep
+from decodeservice.engine.compiled_step import MAX_ROWS, CompiledStep
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
-from decodeservice.engine.quant.w8a8 import W8A8_ROWS
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
@@ -100,10 +99,14 @@ class ModelRunner:
         return _split(self.model.compute_logits(hidden), row_counts, plan)
 
     def _warm_up(self) -> None:
-        """Run steps of 1, 2 and W8A8_ROWS rows, so that every graph the compiled step has (compiled_step.py)
-        is compiled at start-up, not on a request. Each row writes its K/V into block 0, which is free:
-        whoever gets it writes its own K/V before attention reads any."""
-        for rows in (1, 2, W8A8_ROWS):
+        """Run steps of 1, 2 and each row threshold of the model's kernel plan up to MAX_ROWS, so that
+        every graph the compiled step has (compiled_step.py) is compiled at start-up, not on a request.
+        Each row writes its K/V into block 0, which is free: whoever gets it writes its own K/V before
+        attention reads any."""
+        plan = self.model.kernel_plan
+        thresholds = {t for shape in (plan.shapes.values() if plan else ()) for t in (shape.w8a8_from, shape.dense_from)
+                      if t is not None and 2 < t <= MAX_ROWS}
+        for rows in (1, 2, *sorted(thresholds)):
             scheduled = [
                 ScheduledSequence(seq=Sequence(request_id=f"warm-up-{i}", prompt_token_ids=[0],
                                                params=SamplingParams(max_tokens=1), block_ids=[0]),

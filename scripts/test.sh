@@ -6,3 +6,10 @@ bash scripts/setup.sh
 .venv/bin/ruff check engine proxy operator cli bench serving tests benchmarks
 .venv/bin/python scripts/typecheck.py
 .venv/bin/python -P -m pytest "$@"
+if [ $# -eq 0 ]; then
+    # The quantized CPU paths again as a CPU without AVX-512 runs them, on whatever machine this is:
+    # ATen's AVX2 dispatch (which packs the int4 kernel's weights differently) and oneDNN without
+    # native bf16 (so the engine picks fp32 activations). See engine/quant/cpu.py.
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python -P -m pytest -q \
+        tests/engine/quant tests/engine/test_quantized.py
+fi

@@ -3,7 +3,8 @@
 Decode is memory-bound: every step streams every weight once, so 4-bit weights read 8x fewer bytes
 than fp32. Measured on 2 cores, all of SmolLM2-135M's projections at one row: fp32 44 ms, bf16 20 ms,
 int8 `_weight_int8pack_mm` 9.4 ms, int4 `_weight_int4pack_mm_for_cpu` 4.9 ms, all with bf16
-activations; with fp32 activations the two quantized kernels are slower than fp32, hence bf16.
+activations. The kernels' own fp32 paths are scalar loops, so they always get bf16 rows: where the
+activations are fp32 (a CPU without native bf16, see kernel_plan.py) the rows are cast at the call.
 """
 
 from __future__ import annotations
@@ -25,89 +26,137 @@ def int8_kernels_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-# From this many rows on (prompt chunks), Int4Linear dequantizes to a dense GEMM instead of the int4 kernel.
-# The int4 kernel's cost is linear in rows from ~4 on (it dequantizes per block of rows); dequantizing a
-# whole matrix costs 1.2 (qkv), 4.3 (gate_up), 1.8 (down) ms here, 1 thread. Dequantize + bf16 vs int4:
-# 128 rows 1.9 vs 2.0, 7.0 vs 6.4, 3.0 vs 3.2 ms; 256 rows 2.7 vs 4.1, 9.3 vs 12.7, 4.1 vs 6.4 ms. So the
-# crossover is 128-256 rows; decode batches (<= 64 rows) never pay for a dequantization.
+# What the weight-only kernels are called with (1536x576 at one row, 1 thread, AVX-512 and AVX2 alike:
+# 0.05-0.09 ms with bf16 rows, 1.47 ms with fp32 ones).
+KERNEL_DTYPE = torch.bfloat16
+# Row thresholds before the engine plans this machine's kernels (engine/quant/kernel_plan.py measures
+# and sets each module's own at start-up); a module built outside an engine keeps these.
 DENSE_ROWS = 256
 # Quantized buffers are not persistent: no state_dict round trip needs them, and the model's loader
 # checks that every persistent tensor was loaded.
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W.T with W group-wise 4-bit, in the CPU kernel's packed layout.
+class RowPlanned(nn.Module):
+    """A quantized projection with three ways to run a call, chosen by its row count:
+
+    - the weight-only kernel (few rows: decode steps, short verifies);
+    - W8A8, int8 activations x int8 weights (where `w8a8` gave it int8 codes) from `w8a8_from` rows;
+    - a dense GEMM on weights dequantized from the project's own codes from `dense_from` rows (prompt
+      chunks: the kernel dequantizes per block of rows, so its cost grows with rows much faster).
+
+    The thresholds are this machine's, set by the kernel plan; `None` turns a path off."""
+
+    in_features: int
+    out_features: int
+    dense_from: int | None
+    w8a8_from: int | None
+
+    def set_row_plan(self, *, dense_from: int | None, w8a8_from: int | None) -> None:
+        self.dense_from = dense_from
+        self.w8a8_from = w8a8_from if self.has_w8a8 else None
+
+    @property
+    def has_w8a8(self) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed, and no hook dispatch per call
+        return self.forward(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., K) -> (..., N); the kernels take 2-D contiguous rows
+        flat = x.reshape(-1, self.in_features).contiguous()
+        rows = flat.shape[0]
+        if self.w8a8_from is not None and rows >= self.w8a8_from:
+            out = self.w8a8(flat)
+        elif self.dense_from is not None and rows >= self.dense_from:
+            out = F.linear(flat, self.dense_weight(flat.dtype))
+        else:
+            out = self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+        """(M, K) bf16 -> (M, N) bf16 through torch's weight-only kernel."""
+        raise NotImplementedError
+
+    def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, K) in `dtype` (or only the output `rows` asked for), from the codes in the project's own
+        layout (never the kernel's)."""
+        raise NotImplementedError
+
+
+class Int4Linear(RowPlanned):
+    """y = x @ W.T with W group-wise 4-bit: the CPU kernel's packed copy for the weight-only path, and
+    the codes in our own layout (Int4Weight's nibbles, half a byte a weight; for a tied head the same
+    tensor as the embedding's) for the dense path. The kernel's layout differs by ISA (AVX-512 and AVX2
+    pack differently), so nothing here reads it.
 
     With `w8a8`, also an int8 per-channel copy of the same weights (one byte a weight, on top of the
-    half byte of the 4-bit codes): calls of `W8A8_ROWS` rows or more, decode batches and prompt chunks
-    alike, run int8 x int8 on it (see engine/quant/w8a8.py), fewer rows keep the 4-bit kernel."""
+    half byte of the 4-bit codes) for W8A8 (see engine/quant/w8a8.py)."""
 
     packed: torch.Tensor
     scale_zeros: torch.Tensor
+    codes: torch.Tensor
     w8a8_codes: torch.Tensor | None
     w8a8_scales: torch.Tensor | None
 
     def __init__(self, weight: Int4Weight, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.group_size = weight.group_size
-        # The pack op wants N a multiple of 16; 64 makes its layout uniform (see `dense_weight`). Padding
-        # rows have scale 0 and zero 0, and are sliced off the output.
+        self.group_size, self.dtype = weight.group_size, dtype
+        self.dense_from, self.w8a8_from = DENSE_ROWS, (W8A8_ROWS if w8a8 else None)
+        # The pack op wants N a multiple of 16; padding rows have scale 0 and zero 0, sliced off the output.
         pad = -self.out_features % 64
         packed_rows = F.pad(weight.packed, (0, 0, 0, pad), value=0x88)  # code 8 = 0 once scale/zero are 0
-        # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time (the packed layout is
-        # row-local, so the pieces concatenate) to keep that transient small for the 49k-row head.
+        # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time to keep that transient
+        # small for the 49k-row head. Row-local packing is checked, not assumed: the kernel plan's self-check
+        # compares this module's kernel output with the dense reference at load and falls back if it differs.
         packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             unpack_nibbles(packed_rows[i : i + 1024]).to(torch.int32), 1) for i in range(0, packed_rows.shape[0], 1024)])
         self.register_buffer("packed", packed, persistent=False)
-        # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8).
+        self.register_buffer("codes", weight.packed, persistent=False)  # (N, K/2) uint8, our layout
+        # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8). Our layout too: it is the
+        # kernel's input, documented as such, not its private packing.
         scale = F.pad(weight.scale, (0, 0, 0, pad))
         zero = F.pad(weight.offset + 8 * weight.scale, (0, 0, 0, pad))
-        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous(),
+        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous(),
                              persistent=False)
         codes, scales = int8_from_int4(weight) if w8a8 else (None, None)
         self.register_buffer("w8a8_codes", codes, persistent=False)  # (N, K) int8
         self.register_buffer("w8a8_scales", scales, persistent=False)  # (N,) fp32
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed, and no hook dispatch per call
-        return self.forward(x)
+    @property
+    def has_w8a8(self) -> bool:
+        return self.w8a8_codes is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (..., K) -> (..., N); the kernel takes 2-D contiguous rows
-        flat = x.reshape(-1, self.in_features).contiguous()
-        if self.w8a8_codes is not None and self.w8a8_scales is not None and flat.shape[0] >= W8A8_ROWS:
-            return w8a8_mm(flat, self.w8a8_codes, self.w8a8_scales).view(*x.shape[:-1], self.out_features)
-        if flat.shape[0] >= DENSE_ROWS:
-            # A prompt chunk: the int4 kernel's cost grows with rows much faster than a dense GEMM's
-            # (3072x576 at 512 rows: 25 ms vs 10 ms bf16 + 3 ms to dequantize), so dequantize once.
-            dense: torch.Tensor = F.linear(flat, self.dense_weight()[: self.out_features])
-            return dense.view(*x.shape[:-1], self.out_features)
+    def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, self.group_size, self.scale_zeros)
-        if out.shape[1] != self.out_features:
-            out = out[:, : self.out_features]
-        return out.view(*x.shape[:-1], self.out_features)
+        return out[:, : self.out_features] if out.shape[1] != self.out_features else out
 
+    def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
+        assert self.w8a8_codes is not None and self.w8a8_scales is not None
+        return w8a8_mm(flat, self.w8a8_codes, self.w8a8_scales)
 
-    def dense_weight(self) -> torch.Tensor:
-        """(N', K) in the activation dtype, read back from the kernel's own layout, so no second copy of
-        the codes is kept. That layout (torch 2.13, checked in the tests): blocks of 64 output rows, then
-        for each input column 32 bytes, byte j holding row j (low nibble) and row 32 + j (high)."""
-        rows, k = self.packed.shape[0], self.in_features
-        blocks = self.packed.view(rows // 64, k, 32)
-        codes = torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(rows, k // self.group_size,
-                                                                                      self.group_size)
-        scale, zero = self.scale_zeros.unbind(-1)  # (K/G, N') each
+    def dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        k, g = self.in_features, self.group_size
+        scale_zeros, packed = self.scale_zeros[:, : self.out_features], self.codes
+        if rows is not None:
+            scale_zeros, packed = scale_zeros[:, rows], packed[rows]
+        n = packed.shape[0]
+        scale, zero = scale_zeros.unbind(-1)  # (K/G, N) each
+        codes = unpack_nibbles(packed).view(n, k // g, g)
         # In place: one weight-sized buffer, not one per operation (a prompt chunk runs this per layer).
-        weight = codes.to(self.scale_zeros.dtype).sub_(8).mul_(scale.t().unsqueeze(-1)).add_(zero.t().unsqueeze(-1))
-        return weight.view(rows, k)
+        weight = codes.to(dtype).sub_(8).mul_(scale.t().unsqueeze(-1)).add_(zero.t().unsqueeze(-1))
+        return weight.view(n, k)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(RowPlanned):
     """y = x @ W.T with W int8 and one scale per output channel (symmetric).
 
-    With `w8a8`, calls of `W8A8_ROWS` rows or more run int8 x int8 on the same codes (no extra memory;
-    at prompt-chunk sizes ~4x faster than the weight-only kernel: gate_up at 512 rows 5.9 vs 25 ms)."""
+    With `w8a8`, calls from `w8a8_from` rows run int8 x int8 on the same codes (no extra memory)."""
 
     weight_int8: torch.Tensor
     scales: torch.Tensor
@@ -116,21 +165,29 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.dense_from, self.w8a8_from = None, (W8A8_ROWS if w8a8 else None)
         codes, scales = quantize_int8(weight)
         self.register_buffer("weight_int8", codes, persistent=False)  # (N, K)
-        self.register_buffer("scales", scales.to(dtype), persistent=False)  # (N,), the weight-only kernel's
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE), persistent=False)  # (N,), the weight-only kernel's
         # W8A8 scales its int32 sums by the same scales, as rounded for the weight-only kernel, in fp32.
         self.register_buffer("w8a8_scales", self.scales.float() if w8a8 else None, persistent=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x)
+    @property
+    def has_w8a8(self) -> bool:
+        return self.w8a8_scales is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
-        if self.w8a8_scales is not None and flat.shape[0] >= W8A8_ROWS:
-            return w8a8_mm(flat, self.weight_int8, self.w8a8_scales).view(*x.shape[:-1], self.out_features)
+    def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
+
+    def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
+        assert self.w8a8_scales is not None
+        return w8a8_mm(flat, self.weight_int8, self.w8a8_scales)
+
+    def dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        codes, scales = (self.weight_int8, self.scales) if rows is None else (self.weight_int8[rows], self.scales[rows])
+        return codes.to(dtype).mul_(scales.to(dtype).unsqueeze(1))
 
 
 class Int4Embedding(nn.Module):

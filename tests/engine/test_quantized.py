@@ -24,6 +24,7 @@ from decodeservice.engine.quant import (
     quantize_int4,
     quantize_int8,
 )
+from decodeservice.engine.quant.cpu import detect_cpu
 from decodeservice.engine.quant.int4 import QUANTIZE_ROWS, pack_nibbles, unpack_nibbles
 from decodeservice.engine.quant.linear import DENSE_ROWS
 from tests.conftest import ModelBundle
@@ -81,11 +82,15 @@ def test_int4_linear_matches_its_dequantized_weight(group_size: int) -> None:
     # One row and several rows through the same kernel give the same row (speculation relies on it).
     linear = Int4Linear(q)
     torch.testing.assert_close(linear(x[:1]), got[:1], rtol=0, atol=0)
-    # The weight read back from the kernel's packed layout (prompt chunks use it for a dense GEMM).
-    torch.testing.assert_close(linear.dense_weight()[:96].float(), dense, rtol=1e-2, atol=1e-2)
+    # The dense path (prompt chunks) dequantizes our own codes, never the kernel's ISA-specific layout.
+    torch.testing.assert_close(linear.dense_weight(torch.float32), dense, rtol=1e-2, atol=1e-2)
     rows = torch.randn(DENSE_ROWS, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     want_rows = rows.float() @ dense.t()
     torch.testing.assert_close(linear(rows).float(), want_rows, rtol=2e-2, atol=2e-2 * float(want_rows.abs().max()))
+    # fp32 activations (CPUs without native bf16): the kernel still gets bf16 rows, the caller fp32 back.
+    got32 = linear(x.float())
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32, got.float(), rtol=0, atol=0)
 
 
 def test_int8_linear_matches_reference() -> None:
@@ -147,7 +152,9 @@ def tiny_pair(tmp_path: Path, fmt: str) -> tuple[Engine, Engine]:
 def test_tiny_quantized_model(tmp_path: Path, fmt: str) -> None:
     dense, quant = tiny_pair(tmp_path, fmt)
     want = "int4" if fmt == "auto" else fmt
-    assert quant.model.weight_format == want and quant.dtype == torch.bfloat16
+    # bf16 activations where this CPU has native bf16, fp32 where not (engine/quant/kernel_plan.py).
+    assert quant.model.weight_format == want
+    assert quant.dtype == (torch.bfloat16 if detect_cpu().native_bf16 else torch.float32)
     assert dense.model.weight_format == "none" and dense.dtype == torch.float32
     heads = [m for m in quant.model.modules() if isinstance(m, Int4Linear | Int8Linear)]
     assert len(heads) == 2 * 2 + 2 * 2 + 1  # qkv, o, gate_up, down per layer, and the head
@@ -173,8 +180,8 @@ def test_tiny_quantized_model(tmp_path: Path, fmt: str) -> None:
     ({"quantization": "int3"}, "quantization must be none, int8, int4 or auto"),
     ({"quantization": "int4", "device": "cuda"}, "runs on CPU only"),
     ({"quantization": "int8", "device": "cuda:0"}, "runs on CPU only"),
-    ({"quantization": "int4", "dtype": "float32"}, "needs bfloat16 activations"),
-    ({"quantization": "int8", "dtype": "float16"}, "needs bfloat16 activations"),
+    ({"quantization": "int4", "dtype": "float16"}, "runs bfloat16 or float32 activations"),
+    ({"quantization": "int8", "dtype": "float16"}, "runs bfloat16 or float32 activations"),
     ({"dtype": "float64"}, "dtype must be"),
 ])
 def test_unsupported_precision_is_a_config_error(kwargs: dict[str, str], message: str) -> None:
@@ -260,6 +267,34 @@ def test_quantized_greedy_agrees_with_fp32(bundled: ModelBundle, quantized: dict
     agreement = teacher_forced_agreement(bundled, quantized[fmt])
     print(f"{fmt} teacher-forced greedy agreement with fp32 over {POSITIONS} tokens: {agreement}")
     assert sum(agreement) / len(agreement) >= floor, agreement
+
+
+def continuation_nll(reference: ModelBundle, prompt: list[int], continuation: list[int]) -> float:
+    """Mean negative log-likelihood per token of `continuation` after `prompt` under `reference`."""
+    ids = torch.tensor(prompt + continuation)
+    logprobs = reference.model.forward_dense(ids)[len(prompt) - 1 : -1].float().log_softmax(-1)
+    return -float(logprobs.gather(1, torch.tensor(continuation)[:, None]).mean())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_text_after_a_long_prompt_scores_like_fp32s(bundled: ModelBundle, quantized: dict[str, ModelBundle],
+                                                     fmt: str) -> None:
+    """What broke on AVX2: prompt chunks of 256+ rows ran on weights read back from the kernel's
+    AVX-512 layout, so after a long prompt the default engine wrote nonsense. A ~1k-token prompt runs
+    in chunks of 512 rows (each projection on the path this machine's plan picks for them), then 24
+    greedy tokens; the fp32 model scores both engines' continuations. Measured here: int4 and int8
+    within 0.3 nat/token of fp32's own; garbage weights score ~10."""
+    tok = bundled.tokenizer
+    text = " ".join(ANSWERS * 3)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text + "\n\nSummarize the text above."}]))
+    assert 900 <= len(prompt) <= 1400, len(prompt)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = {name: bundle.engine(kv_cache_gib=0.2, max_model_len=2048).generate([prompt], greedy)[0].token_ids
+            for name, bundle in (("fp32", bundled), (fmt, quantized[fmt]))}
+    nll = {name: continuation_nll(bundled, prompt, ids) for name, ids in runs.items()}
+    print(f"{fmt} after {len(prompt)} prompt tokens: nll/token {nll}; text {tok.decode(runs[fmt])!r}")
+    assert nll[fmt] <= nll["fp32"] + 1.0, nll
 
 
 # The projections are row-invariant (a row's result does not depend on the other rows, checked above),

@@ -1,0 +1,70 @@
+"""What this CPU can do, read from the machine, never assumed from the one the code was tuned on.
+
+Two facts decide the CPU path (engine/quant/kernel_plan.py):
+- native bf16 (AVX512_BF16 or AMX-BF16, with ATen and oneDNN allowed to use them): without it a bf16
+  GEMM is emulated, ~10x slower than fp32 at prompt-chunk sizes (576x1536 at 256 rows, 1 thread:
+  29 vs 2.8 ms under ONEDNN_MAX_CPU_ISA=AVX2), and bf16 attention ~3x slower;
+- the ISA ATen dispatches to (`ATEN_CPU_CAPABILITY` lowers it), which also decides how torch packs
+  the int4 kernel's weights.
+
+`ATEN_CPU_CAPABILITY=avx2` together with `ONEDNN_MAX_CPU_ISA=AVX2` makes an AVX-512 machine take the
+AVX2 paths of both libraries, which is how the test suite covers CPUs without AVX-512 on either kind.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The flags that change a kernel choice; the rest of /proc/cpuinfo's list does not enter the cache key.
+RELEVANT_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                            "amx_tile", "amx_bf16", "amx_int8", "asimd", "bf16", "i8mm", "sve"})
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 (AVX-512/AMX) and aarch64 (FEAT_BF16)
+_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "i8mm"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuCapability:
+    model_name: str  # e.g. "AMD EPYC 7B13"
+    aten: str  # the ISA ATen dispatches to: "AVX512", "AVX2", "DEFAULT", ...
+    onednn_max_isa: str | None  # ONEDNN_MAX_CPU_ISA, where a user (or the tests) capped oneDNN
+    flags: frozenset[str]  # the relevant ones the CPU reports
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 arithmetic in hardware, usable by both ATen and oneDNN as this process is set up."""
+        if not self.flags & _BF16_FLAGS:
+            return False
+        if self.aten.startswith("AVX2") or self.aten == "DEFAULT":
+            return False  # ATen capped below AVX-512 (or never had it): its bf16 ops are emulated
+        cap = (self.onednn_max_isa or "ALL").upper()
+        return cap == "ALL" or any(word in cap for word in ("BF16", "AMX", "FP16", "AVX10"))
+
+    @property
+    def int8_dot(self) -> bool:
+        """An int8 dot-product instruction (VNNI, AMX-INT8, i8mm): what makes W8A8 GEMMs fast."""
+        return bool(self.flags & _INT8_DOT_FLAGS)
+
+    def describe(self) -> str:
+        cap = f", oneDNN capped at {self.onednn_max_isa}" if self.onednn_max_isa else ""
+        return (f"{self.model_name} (ATen {self.aten}{cap}; native bf16: {'yes' if self.native_bf16 else 'no'}; "
+                f"int8 dot: {'yes' if self.int8_dot else 'no'}; flags {' '.join(sorted(self.flags)) or 'none'})")
+
+
+def detect_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuCapability:
+    model_name, flags = platform.processor() or platform.machine(), frozenset[str]()
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key in ("model name", "cpu model") and model_name in ("", platform.processor(), platform.machine()):
+                model_name = value.strip()
+            elif key in ("flags", "features") and not flags:
+                flags = frozenset(value.split()) & RELEVANT_FLAGS
+    return CpuCapability(model_name=model_name or "unknown", aten=torch.backends.cpu.get_cpu_capability(),
+                         onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
+                         flags=flags)

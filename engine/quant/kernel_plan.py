@@ -1,0 +1,273 @@
+"""This machine's kernels for a quantized model, chosen at load by capability and measurement.
+
+    activations = choose_activations(detect_cpu(), hidden=576, intermediate=1536)   # bf16 or fp32
+    plan = plan_kernels(model, activations=activations)   # thresholds set on every module, checked
+
+Two choices, each made here for the CPU this runs on, never from constants measured on another box:
+1. Activation (and KV cache) dtype: bf16 only where the CPU has native bf16 (cpu.py) AND a bf16 GEMM
+   at the model's own prompt-chunk shape measures faster than fp32; else fp32, with the weight-only
+   kernels still called with bf16 rows (their fp32 paths are scalar loops).
+2. Per projection shape, from how many rows a call leaves the weight-only kernel for W8A8 (where on)
+   or for a dense GEMM on dequantized weights: each path timed at a ladder of row counts on one module
+   of that shape (min of a few runs), the threshold being the first rung from which the other path
+   wins at every rung above.
+
+Measurements are cached per CPU model, ISA caps, thread count, torch version and model shapes
+(`$DECODESERVICE_KERNEL_CACHE`, else ~/.cache/decodeservice/kernels), so a restart does not pay again.
+Every load, whatever the cache says, each module's fast paths are compared with the dense reference
+(from the project's own codes) on a spread of its real output rows; a path that disagrees is turned off
+for that module and logged, and the module falls back to the next path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu
+from decodeservice.engine.quant.linear import KERNEL_DTYPE, RowPlanned
+
+log = logging.getLogger("decodeservice.engine.kernels")
+
+DENSE_LADDER = (16, 32, 64, 128, 256, 512)  # prompt chunks reach max_num_batched_tokens (512 by default)
+W8A8_LADDER = (2, 4, 6, 8, 12, 16, 32, 64)
+HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
+# Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
+# outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
+WEIGHT_ONLY_TOLERANCE, W8A8_TOLERANCE = 0.03, 0.08
+CHECK_ROWS = 64  # output rows compared per module, spread over the matrix
+# A CPU that reports native bf16 runs fp32 only if its bf16 GEMM is this much slower than fp32: hardware
+# bf16 measures ~0.2x fp32 here (AMX), emulated ~10x (oneDNN capped at AVX2), and a loaded 2-core machine
+# moved single timings by up to 2x, which must not flip the dtype between restarts.
+BF16_LOSS = 3.0
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationChoice:
+    dtype: torch.dtype
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapePlan:
+    """One projection shape's thresholds, with the timings (ms, per rung) that chose them."""
+
+    dense_from: int | None
+    w8a8_from: int | None
+    timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelPlan:
+    cpu: CpuCapability
+    activations: ActivationChoice
+    shapes: dict[str, ShapePlan]  # by shape key (see _shape_key)
+    source: str  # "measured" or the cache file it came from
+    fallbacks: tuple[str, ...]  # "module: path turned off (error)" for each failed self-check
+    seconds: float
+
+    def describe(self) -> dict[str, Any]:
+        """What the engine logs at start-up and serves in /v1/models."""
+        return {
+            "cpu": self.cpu.describe(),
+            "activations": str(self.activations.dtype).removeprefix("torch."),
+            "activations_reason": self.activations.reason,
+            "weight_only_kernel_rows": str(KERNEL_DTYPE).removeprefix("torch."),
+            "rows": {key: {"dense_from": p.dense_from, "w8a8_from": p.w8a8_from} for key, p in self.shapes.items()},
+            "source": self.source,
+            "self_check_fallbacks": list(self.fallbacks),
+            "plan_seconds": round(self.seconds, 3),
+        }
+
+
+def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int) -> ActivationChoice:
+    """bf16 where this CPU runs it natively, confirmed by a GEMM at (at least) the model's shape; else fp32."""
+    if not cpu.native_bf16:
+        return ActivationChoice(dtype=torch.float32, reason=(
+            f"no native bf16 here (ATen {cpu.aten}, oneDNN cap {cpu.onednn_max_isa or 'none'}): fp32 activations "
+            "and KV cache, bf16 only at the weight-only kernels' calls"))
+    # The GEMM tells hardware bf16 from emulated (5x faster vs ~10x slower than fp32), not shape effects:
+    # a tiny model's GEMM would measure overheads, hence the floor; and only a clear loss overrules the
+    # flags, so that a loaded machine's noise does not flip the dtype between restarts.
+    k, n = max(hidden, 1024), max(intermediate, 1024)
+    bf16_ms, fp32_ms = (_gemm_ms(dtype, rows=256, k=k, n=n) for dtype in (torch.bfloat16, torch.float32))
+    measured = f"a {k}x{n} GEMM at 256 rows measured bf16 {bf16_ms:.2f} ms vs fp32 {fp32_ms:.2f} ms"
+    if bf16_ms > BF16_LOSS * fp32_ms:
+        return ActivationChoice(dtype=torch.float32, reason=f"the CPU reports bf16 but {measured}: fp32 activations")
+    return ActivationChoice(dtype=torch.bfloat16, reason=(
+        f"native bf16; {measured}: bf16 activations and KV cache (half the bytes)"))
+
+
+def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCapability | None = None,
+                 cache_dir: Path | None = None) -> KernelPlan:
+    """Measure (or read from the cache) each projection shape's thresholds, set them on every quantized
+    module of `model`, then self-check every module's fast paths on its real weights."""
+    started = time.perf_counter()
+    cpu = cpu or detect_cpu()
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, RowPlanned)}
+    groups: dict[str, list[str]] = {}
+    for name, module in modules.items():
+        groups.setdefault(_shape_key(module, head=name.endswith("lm_head")), []).append(name)
+    cache = _cache_path(cache_dir, cpu, activations.dtype, sorted(groups))
+    shapes = _read_cache(cache)
+    source = str(cache) if shapes is not None else "measured"
+    if shapes is None:
+        shapes = {key: _measure(modules[names[0]], dtype=activations.dtype, head=names[0].endswith("lm_head"))
+                  for key, names in groups.items()}
+        _write_cache(cache, shapes)
+    fallbacks: list[str] = []
+    for key, names in groups.items():
+        for name in names:
+            modules[name].set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
+            fallbacks += self_check(name, modules[name], dtype=activations.dtype)
+    plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
+                      seconds=time.perf_counter() - started)
+    for line in fallbacks:
+        log.warning("kernel self-check failed, falling back: %s", line)
+    described = plan.describe()
+    log.info("CPU %s; activations %s: %s", described["cpu"], described["activations"], described["activations_reason"])
+    log.info("row thresholds (%s, %.1f s): %s", source, plan.seconds, json.dumps(described["rows"]))
+    return plan
+
+
+def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str]:
+    """Compare the module's weight-only (and W8A8) path with the dense reference on CHECK_ROWS of its
+    output rows; turn off a path that disagrees. Returns what was turned off."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, module.in_features, generator=gen)  # 8 rows: W8A8 and the kernel's multi-row blocks
+    index = torch.linspace(0, module.out_features - 1, min(CHECK_ROWS, module.out_features)).round().long()
+    index = torch.unique_consecutive(index)
+    reference = F.linear(x, module.dense_weight(torch.float32, index))  # (8, len(index)) fp32
+    failed: list[str] = []
+    error = _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
+    if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
+        failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
+        module.set_row_plan(dense_from=1, w8a8_from=module.w8a8_from)
+    if module.w8a8_from is not None:
+        error = _relative_error(module.w8a8(x.to(dtype)).float()[:, index], reference)
+        if not error < W8A8_TOLERANCE:
+            failed.append(f"{name}: W8A8 off (relative error {error:.3g})")
+            module.set_row_plan(dense_from=module.dense_from, w8a8_from=None)
+    return failed
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value - reference).norm() / reference.norm().clamp_min(1e-12))
+
+
+def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool) -> ShapePlan:
+    def weight_only(x: torch.Tensor) -> Callable[[], object]:
+        return lambda: module.weight_only(x.to(KERNEL_DTYPE))
+
+    def dense(x: torch.Tensor) -> Callable[[], object]:
+        return lambda: F.linear(x, module.dense_weight(dtype))  # the dequantization is part of the path
+
+    def w8a8(x: torch.Tensor) -> Callable[[], object]:
+        return lambda: module.w8a8(x)
+
+    x = torch.randn(max(DENSE_LADDER), module.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    timings: dict[str, dict[int, float]] = {}
+    with torch.inference_mode():
+        ladder = tuple(r for r in DENSE_LADDER if not head or r <= HEAD_MAX_ROWS)
+        timings["weight_only"], timings["dense"] = _race(weight_only, dense, x, ladder)
+        w8a8_from = None
+        if module.has_w8a8:
+            timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
+            w8a8_from = _first_win(timings["w8a8"], timings["weight_only_small"])
+    return ShapePlan(dense_from=_first_win(timings["dense"], timings["weight_only"]), w8a8_from=w8a8_from,
+                     timings_ms=timings)
+
+
+def _race(incumbent: Callable[[torch.Tensor], Callable[[], object]],
+          challenger: Callable[[torch.Tensor], Callable[[], object]], x: torch.Tensor,
+          ladder: tuple[int, ...]) -> tuple[dict[int, float], dict[int, float]]:
+    """Both paths timed up the ladder, stopping once the challenger has won two rungs running: the
+    weight-only kernel's cost grows linearly with rows (it dequantizes per block of rows), the others'
+    by less, so a lead taken is kept. This keeps the most expensive rungs out of the start-up."""
+    times: tuple[dict[int, float], dict[int, float]] = ({}, {})
+    wins = 0
+    for rows in ladder:
+        times[0][rows], times[1][rows] = _time_ms(incumbent(x[:rows])), _time_ms(challenger(x[:rows]))
+        wins = wins + 1 if times[1][rows] < times[0][rows] else 0
+        if wins == 2:
+            break
+    return times
+
+
+def _first_win(challenger: dict[int, float], incumbent: dict[int, float]) -> int | None:
+    """The first rung from which `challenger` is faster at every rung measured above it."""
+    first = None
+    for rows in sorted(challenger):
+        if challenger[rows] < incumbent[rows]:
+            first = rows if first is None else first
+        else:
+            first = None
+    return first
+
+
+def _time_ms(fn: Callable[[], object], *, repeats: int = 3) -> float:
+    fn()  # warm: first-call allocation and oneDNN primitive creation are not the steady state
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _gemm_ms(dtype: torch.dtype, *, rows: int, k: int, n: int) -> float:
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    with torch.inference_mode():
+        return _time_ms(lambda: F.linear(x, w), repeats=7)
+
+
+def _shape_key(module: RowPlanned, *, head: bool) -> str:
+    kind = type(module).__name__ + ("+w8a8" if module.has_w8a8 else "") + (" head" if head else "")
+    return f"{kind} {module.out_features}x{module.in_features}"
+
+
+def _cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str]) -> Path:
+    identity = {"version": PLAN_VERSION, "cpu": cpu.model_name, "aten": cpu.aten, "onednn": cpu.onednn_max_isa,
+                "flags": sorted(cpu.flags), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "activations": str(dtype), "shapes": keys}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    root = cache_dir or Path(os.environ.get("DECODESERVICE_KERNEL_CACHE") or
+                             Path.home() / ".cache" / "decodeservice" / "kernels")
+    return root / f"plan-{digest}.json"
+
+
+def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
+    try:
+        raw = json.loads(path.read_text())
+        return {key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"],
+                               timings_ms={path_: {int(r): float(ms) for r, ms in rungs.items()}
+                                           for path_, rungs in p["timings_ms"].items()})
+                for key, p in raw["shapes"].items()}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a torn or old file: measure again
+        log.warning("ignoring kernel plan cache %s: %s", path, exc)
+        return None
+
+
+def _write_cache(path: Path, shapes: dict[str, ShapePlan]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"shapes": {key: asdict(p) for key, p in shapes.items()}}, indent=1))
+        tmp.replace(path)  # atomic: pods sharing a cache volume never read half a file
+    except OSError as exc:  # a read-only home in a pod: the plan still applies, it is just not kept
+        log.warning("could not cache the kernel plan at %s: %s", path, exc)

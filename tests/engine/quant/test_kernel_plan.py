@@ -1,0 +1,140 @@
+"""engine/quant/cpu.py and kernel_plan.py: the CPU's capabilities as read, the activation choice, the
+measured row thresholds and their cache, and the load-time self-check that refuses a wrong fast path.
+
+The whole file also runs under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (scripts/test.sh), where
+torch packs the int4 kernel's weights in its AVX2 layout and bf16 is not native."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4
+from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu
+from decodeservice.engine.quant.kernel_plan import (
+    ActivationChoice,
+    _first_win,
+    choose_activations,
+    plan_kernels,
+    self_check,
+)
+
+# Flags as /proc/cpuinfo prints them on the two kinds of machine this project runs on (abridged).
+AMD_AVX2 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
+            "flags\t\t: fpu sse sse2 avx fma avx2 bmi2 sha_ni\n")
+INTEL_AMX = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\n"
+             "flags\t\t: avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+
+
+def cpu(flags: str, *, aten: str = "AVX512", onednn: str | None = None) -> CpuCapability:
+    return CpuCapability(model_name="test", aten=aten, onednn_max_isa=onednn, flags=frozenset(flags.split()))
+
+
+def test_cpuinfo_is_read_for_model_and_relevant_flags(tmp_path: Path) -> None:
+    (tmp_path / "amd").write_text(AMD_AVX2)
+    (tmp_path / "intel").write_text(INTEL_AMX)
+    amd, intel = detect_cpu(tmp_path / "amd"), detect_cpu(tmp_path / "intel")
+    assert amd.model_name == "AMD EPYC 7B13" and amd.flags == {"avx2", "fma"}  # sha_ni etc. are not kernel facts
+    assert intel.flags >= {"avx512_bf16", "amx_bf16", "amx_int8"}
+    assert not amd.native_bf16 and not amd.int8_dot
+    assert intel.int8_dot
+    assert detect_cpu(tmp_path / "missing").model_name  # no /proc/cpuinfo (macOS): still a capability
+
+
+def test_native_bf16_needs_the_flag_and_both_libraries_allowed_to_use_it() -> None:
+    assert cpu("avx2 avx512f avx512_bf16").native_bf16
+    assert cpu("avx2 amx_bf16 amx_tile").native_bf16
+    assert not cpu("avx2 avx512f").native_bf16  # AVX-512 without BF16 (Skylake, Zen 4 has it)
+    assert not cpu("avx2 avx512_bf16", aten="AVX2").native_bf16  # ATEN_CPU_CAPABILITY=avx2
+    assert not cpu("avx2 avx512_bf16", onednn="AVX2").native_bf16  # ONEDNN_MAX_CPU_ISA=AVX2
+    assert cpu("avx2 avx512_bf16", onednn="AVX512_CORE_BF16").native_bf16
+
+
+def test_without_native_bf16_activations_are_fp32() -> None:
+    choice = choose_activations(cpu("avx2 fma"), hidden=64, intermediate=128)
+    assert choice.dtype == torch.float32 and "no native bf16" in choice.reason
+
+
+def test_the_first_win_is_the_start_of_the_last_winning_run() -> None:
+    incumbent = {16: 1.0, 32: 2.0, 64: 4.0, 128: 8.0}
+    assert _first_win({16: 2.0, 32: 1.0, 64: 3.0, 128: 5.0}, incumbent) == 32
+    assert _first_win({16: 0.5, 32: 3.0, 64: 3.0, 128: 5.0}, incumbent) == 64  # a noisy early win does not count
+    assert _first_win({16: 2.0, 32: 3.0, 64: 5.0, 128: 9.0}, incumbent) is None
+
+
+def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    return x.float() @ module.dense_weight(torch.float32).t()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_self_check_passes_the_kernels_of_this_machine(dtype: torch.dtype) -> None:
+    for module in (Int4Linear(quantize_int4(gaussian(200, 128, 0)), dtype=dtype, w8a8=True),
+                   Int8Linear(gaussian(200, 128, 1), dtype=dtype, w8a8=True)):
+        assert self_check("m", module, dtype=dtype) == []
+        assert module.dense_from != 1 and module.w8a8_from is not None
+
+
+def test_self_check_refuses_a_kernel_layout_it_misreads_and_falls_back_to_dense() -> None:
+    """What broke on AVX2: code that assumed the AVX-512 packing. Here the kernel's packed bytes are
+    scrambled (a layout the kernel does not expect); the check must notice and route every call to
+    the dense path on our own codes, which stays right."""
+    module = Int4Linear(quantize_int4(gaussian(128, 128, 2)), dtype=torch.float32)
+    module.packed = module.packed.flip(0).contiguous()
+    failed = self_check("layers.0.mlp.down_proj", module, dtype=torch.float32)
+    assert len(failed) == 1 and "weight-only kernel off" in failed[0] and "layers.0.mlp.down_proj" in failed[0]
+    assert module.dense_from == 1
+    x = gaussian(1, 128, 3)
+    torch.testing.assert_close(module(x), reference(module, x), rtol=1e-5, atol=1e-4)
+
+
+def test_self_check_turns_off_a_wrong_w8a8_copy() -> None:
+    module = Int4Linear(quantize_int4(gaussian(128, 128, 4)), dtype=torch.bfloat16, w8a8=True)
+    assert module.w8a8_scales is not None
+    module.w8a8_scales = module.w8a8_scales.flip(0).contiguous()  # scales of the wrong channels
+    failed = self_check("lm_head", module, dtype=torch.bfloat16)
+    assert failed == [failed[0]] and "W8A8 off" in failed[0]
+    assert module.w8a8_from is None
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32)
+        self.b = Int4Linear(quantize_int4(gaussian(192, 64, 6)), dtype=torch.float32)  # same shape: one measure
+        self.lm_head = Int8Linear(gaussian(320, 64, 7), dtype=torch.float32, w8a8=True)
+
+
+def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path: Path) -> None:
+    model = TwoLayers()
+    fp32 = ActivationChoice(dtype=torch.float32, reason="test")
+    plan = plan_kernels(model, activations=fp32, cache_dir=tmp_path)
+    assert plan.source == "measured" and plan.fallbacks == ()
+    assert set(plan.shapes) == {"Int4Linear 192x64", "Int8Linear+w8a8 head 320x64"}
+    int4 = plan.shapes["Int4Linear 192x64"]
+    assert set(int4.timings_ms) == {"weight_only", "dense"} and all(ms > 0 for ms in int4.timings_ms["dense"].values())
+    assert "w8a8" in plan.shapes["Int8Linear+w8a8 head 320x64"].timings_ms
+    assert model.a.dense_from == model.b.dense_from == int4.dense_from
+    described = plan.describe()
+    json.dumps(described)  # what /v1/models serves
+    assert described["activations"] == "float32" and described["rows"]["Int4Linear 192x64"]["dense_from"] == int4.dense_from
+    # A second load reads the cache (no measurement), and still self-checks.
+    (cached_file,) = tmp_path.glob("plan-*.json")
+    again = plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path)
+    assert again.source == str(cached_file) and again.shapes == plan.shapes
+    # A torn file is measured again, not trusted.
+    cached_file.write_text("{not json")
+    assert plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path).source == "measured"
+
+
+def test_plan_cache_is_keyed_by_the_machine(tmp_path: Path) -> None:
+    fp32 = ActivationChoice(dtype=torch.float32, reason="test")
+    plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 fma", aten="AVX2"))
+    plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 avx512_bf16"))
+    assert len(list(tmp_path.glob("plan-*.json"))) == 2
