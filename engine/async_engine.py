@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from decodeservice.engine.engine import Engine, Prompt
+from decodeservice.engine.engine import EncodedPrompt, Engine, Prompt
 from decodeservice.engine.errors import EngineDeadError, EngineError
 from decodeservice.engine.outputs import EngineStats, RequestOutput
 from decodeservice.engine.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ from decodeservice.engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt_ids: list[int]
+    prompt: EncodedPrompt
     params: SamplingParams
     priority: int
     cache_salt: str | None
@@ -75,20 +75,23 @@ class AsyncEngine:
         return len(self._sinks)
 
     # -- requests ----------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Tokenize and validate a prompt; raises the engine's InvalidRequestError family."""
-        return self.engine.encode_prompt(prompt)
+    def encode(self, prompt: Prompt, *, add_special_tokens: bool = True) -> EncodedPrompt:
+        """Tokenize and validate a prompt (`Engine.encode_prompt`, which only reads the tokenizer and the
+        limits, so it is safe off the loop thread); raises the engine's InvalidRequestError family."""
+        return self.engine.encode_prompt(prompt, add_special_tokens=add_special_tokens)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
+    async def generate(self, prompt: Prompt | EncodedPrompt, params: SamplingParams, *, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream snapshots of one request. Closing the iterator early (a client went away) aborts the
-        request, which frees its KV blocks within one engine step."""
+        """Stream one request's outputs: deltas, then the finished one with the totals. A raw prompt is
+        validated here, in the caller's task, so bad input raises before anything is queued; an
+        `EncodedPrompt` (from `encode`) is not checked again. Closing the iterator early (a client went
+        away) aborts the request, which frees its KV blocks within one engine step."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has died: {self.dead_error}")
-        prompt_ids = self.encode(prompt)
+        encoded = prompt if isinstance(prompt, EncodedPrompt) else self.encode(prompt)
         request_id = request_id or f"areq-{next(self._ids)}"
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, sink,
+        self._commands.put(_Add(request_id, encoded, params, priority, cache_salt, sink,
                                 asyncio.get_running_loop()))
         self._wakeup.set()
         finished = False
@@ -145,7 +148,7 @@ class AsyncEngine:
                     self._stats = self.engine.stats()  # an idle loop takes no step to refresh them
                 continue
             try:
-                self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id,
+                self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
                                         priority=command.priority, cache_salt=command.cache_salt)
             except EngineError as exc:
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)

@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,13 @@ from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from decodeservice.engine.kv_cache import KVCacheManager
 from decodeservice.engine.model import LlamaModel
-from decodeservice.engine.outputs import EngineStats, RequestMetrics, RequestOutput, SpecDecodeStats
+from decodeservice.engine.outputs import (
+    EngineStats,
+    OutputTotals,
+    RequestMetrics,
+    RequestOutput,
+    SpecDecodeStats,
+)
 from decodeservice.engine.quant import Int4Weight, resolve_precision
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
 from decodeservice.engine.sampler import make_generator, sample_token, token_logprob
@@ -29,6 +36,14 @@ if TYPE_CHECKING:
     from decodeservice.engine.spec_decode.decoder import SpeculativeDecoder
 
 Prompt = str | Seq[int]
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt that `Engine.encode_prompt` tokenized and checked. The engine takes it as it is, so a
+    front that validates at its edge (the server, before answering) does not pay for it twice."""
+
+    token_ids: list[int]
 
 
 class Engine:
@@ -116,15 +131,19 @@ class Engine:
         return int(budget // per_block)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None = None,
+    def add_request(self, prompt: Prompt | EncodedPrompt, params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> str:
-        """`cache_salt`: only requests with the same salt (or all without one) share cached prefixes."""
+        """Queue a request; bad input raises `InvalidRequestError` here, before anything is queued.
+
+        This is the library's edge: a raw prompt (text or token ids) is checked here, once. An
+        `EncodedPrompt` was checked when `encode_prompt` made it and is taken as it is.
+        `cache_salt`: only requests with the same salt (or all without one) share cached prefixes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        prompt_ids = self.encode_prompt(prompt)
+        prompt_ids = (prompt if isinstance(prompt, EncodedPrompt) else self.encode_prompt(prompt)).token_ids
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority,
                        cache_salt=cache_salt, generator=make_generator(params, self.device))
         self._requests[request_id] = seq
@@ -133,9 +152,11 @@ class Engine:
         self.prompt_tokens_total += len(prompt_ids)
         return request_id
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, *, add_special_tokens: bool = True) -> EncodedPrompt:
+        """Tokenize and check a prompt: the one place its rules live. `add_special_tokens=False` for
+        text that already holds them (a rendered chat template)."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = [int(t) for t in prompt]
             if any(not 0 <= t < self.model_config.vocab_size for t in ids):
@@ -146,7 +167,7 @@ class Engine:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
                 f"and at least one must be left for the answer", param="prompt")
-        return ids
+        return EncodedPrompt(ids)
 
     def abort_request(self, request_id: str) -> bool:
         seq = self._requests.pop(request_id, None)
@@ -239,29 +260,33 @@ class Engine:
             self.spec.free(seq)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        """This step's delta, built from the new tokens alone; the totals only once, when it finishes."""
         detok = self._detokenizers.get(seq.request_id)
         new_text = ""
         if detok is not None:
             new_text, hit_stop = detok.update(seq.output_token_ids, finished=seq.is_finished)
             if hit_stop and not seq.is_finished:
                 self._finish(seq, "stop")
-        text = detok.text if detok is not None else ""
+        want_logprobs = seq.params.logprobs is not None
+        totals = None
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
+            totals = OutputTotals(token_ids=list(seq.output_token_ids), text=detok.text if detok is not None else "",
+                                  logprobs=list(seq.logprobs) if want_logprobs else None)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=text,
             new_token_ids=new_tokens,
             new_text=new_text,
+            new_logprobs=seq.logprobs[len(seq.logprobs) - len(new_tokens):] if want_logprobs else None,
+            num_output_tokens=len(seq.output_token_ids),
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
                                    first_token_time=seq.first_token_time, finished_time=seq.finished_time,
-                                   num_cached_tokens=seq.num_cached_tokens),
+                                   num_cached_tokens=seq.num_cached_prompt_tokens),
+            totals=totals,
         )
 
     # -- conveniences ------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ class Scheduler:
             seq.spec_token_ids = []
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                seq.num_cached_prompt_tokens = num_cached
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq=seq, num_new_tokens=num_new, num_spec_tokens=0))
             budget -= num_new

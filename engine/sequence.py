@@ -36,7 +36,6 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    stop_text_trim: int = 0  # characters of a matched stop string to cut from the text
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
 
@@ -47,7 +46,8 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # served from the prefix cache at the last admission (the KV manager's)
+    num_cached_prompt_tokens: int = 0  # ... at the first: what usage and metrics report
     num_preemptions: int = 0
 
     @property

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from decodeservice.engine.async_engine import AsyncEngine
-from decodeservice.engine.engine import Engine
+from decodeservice.engine.engine import EncodedPrompt, Engine
 from decodeservice.engine.errors import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
 from decodeservice.engine.outputs import EngineStats, RequestOutput
 from decodeservice.engine.sampling_params import SamplingParams
@@ -111,12 +111,12 @@ def engine_error(exc: EngineError) -> OpenAIError:
 class Generation:
     """One accepted request: validated, tokenized, ready to run."""
 
-    def __init__(self, state: ServerState, aengine: AsyncEngine, *, prompt_ids: list[int],
+    def __init__(self, state: ServerState, aengine: AsyncEngine, *, prompt: EncodedPrompt,
                  params: SamplingParams, priority: int, meta: fmt.ResponseMeta,
                  cache_salt: str | None = None) -> None:
         self.state = state
         self.aengine = aengine
-        self.prompt_ids = prompt_ids
+        self.prompt = prompt
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
@@ -128,7 +128,7 @@ class Generation:
         with self.state.lifecycle.track():
             try:
                 # aclosing: leaving early must close the engine's stream, which aborts the request.
-                async with aclosing(_stream(aengine, self.prompt_ids, self.params, request_id=self.meta.id,
+                async with aclosing(_stream(aengine, self.prompt, self.params, request_id=self.meta.id,
                                             priority=self.priority, cache_salt=self.cache_salt)) as stream:
                     async for out in stream:
                         tracker.observe(out)
@@ -136,28 +136,29 @@ class Generation:
             finally:
                 tracker.aborted()
 
-    async def final(self) -> tuple[RequestOutput, list[Any]]:
-        """Run to the end; the last output and every token's logprob entry."""
+    async def final(self) -> RequestOutput:
+        """Run to the end; the finished output, which carries the totals."""
         last: RequestOutput | None = None
         async with aclosing(self.outputs()) as outputs:
             async for out in outputs:
                 last = out
         assert last is not None and last.finished
-        return last, list(last.logprobs or [])
+        return last
 
 
-def _stream(aengine: AsyncEngine, prompt: str | list[int], params: SamplingParams, *, request_id: str,
+def _stream(aengine: AsyncEngine, prompt: str | EncodedPrompt, params: SamplingParams, *, request_id: str,
             priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
     # AsyncEngine.generate is an async generator; typed as one so it can be aclose()d.
     return cast(AsyncGenerator[RequestOutput, None],
                 aengine.generate(prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt))
 
 
-def _encode(aengine: AsyncEngine, prompt: str | list[int], *, chat: bool) -> list[int]:
+def _encode(aengine: AsyncEngine, prompt: str | list[int], *, chat: bool) -> EncodedPrompt:
+    """The server's edge: the prompt is checked here, once, before the response starts (so bad input
+    is a 400, not an error event in a stream); the engine takes the `EncodedPrompt` as it is."""
     try:
-        if chat:  # the template already holds the special tokens
-            prompt = aengine.tokenizer.encode(prompt, add_special_tokens=False)  # type: ignore[arg-type]
-        return aengine.encode(prompt)
+        # A rendered chat template already holds the special tokens.
+        return aengine.encode(prompt, add_special_tokens=not chat)
     except EngineError as exc:
         raise engine_error(exc) from None
 
@@ -168,9 +169,9 @@ async def completions(request: Request) -> Response:
     state.check_model(req.model)
     prompt = req.single_prompt()
     aengine = state.engine_for_request()
-    prompt_ids = _encode(aengine, prompt, chat=False)
+    encoded = _encode(aengine, prompt, chat=False)
     max_tokens = req.max_tokens or state.settings.default_completion_max_tokens
-    gen = _generation(state, aengine, req, prompt_ids, max_tokens=max_tokens, logprobs=req.logprobs, kind="completion")
+    gen = _generation(state, aengine, req, encoded, max_tokens=max_tokens, logprobs=req.logprobs, kind="completion")
     return await _respond(request, gen, stream=req.stream, include_usage=req.include_usage,
                           want_logprobs=req.logprobs is not None)
 
@@ -184,16 +185,17 @@ async def chat_completions(request: Request) -> Response:
         text = aengine.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
     except EngineError as exc:
         raise BadRequest(f"cannot render the chat: {exc}", param="messages", code="invalid_value") from None
-    prompt_ids = _encode(aengine, text, chat=True)
+    encoded = _encode(aengine, text, chat=True)
     # Like vLLM: without a limit, a chat answer may use the rest of the context.
-    max_tokens = req.requested_max_tokens or aengine.engine.max_model_len - len(prompt_ids)
+    max_tokens = req.requested_max_tokens or aengine.engine.max_model_len - len(encoded.token_ids)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    gen = _generation(state, aengine, req, prompt_ids, max_tokens=max_tokens, logprobs=logprobs, kind="chat")
+    gen = _generation(state, aengine, req, encoded, max_tokens=max_tokens, logprobs=logprobs, kind="chat")
     return await _respond(request, gen, stream=req.stream, include_usage=req.include_usage,
                           want_logprobs=req.logprobs)
 
 
-def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], *,
+def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest | ChatCompletionRequest,
+                prompt: EncodedPrompt, *,
                 max_tokens: int, logprobs: int | None, kind: fmt.Kind) -> Generation:
     try:
         params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
@@ -202,7 +204,7 @@ def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     meta = fmt.ResponseMeta.new(request_id=f"{prefix}-{uuid.uuid4().hex}", model=state.settings.served_model_name,
                                 kind=kind)
-    return Generation(state, aengine, prompt_ids=prompt_ids, params=params, priority=req.priority, meta=meta,
+    return Generation(state, aengine, prompt=prompt, params=params, priority=req.priority, meta=meta,
                       cache_salt=req.cache_salt)
 
 
@@ -222,11 +224,12 @@ async def _respond(request: Request, gen: Generation, *, stream: bool, include_u
     if work.cancelled():
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     try:
-        final, entries = work.result()
+        final = work.result()
     except EngineError as exc:
         raise engine_error(exc) from None
     logprobs = None
     if want_logprobs:
+        entries = final.logprobs or []
         tok = gen.aengine.tokenizer
         logprobs = fmt.completion_logprobs(tok, entries, offset=0) if gen.meta.kind == "completion" \
             else fmt.chat_logprobs(tok, entries)
@@ -250,7 +253,7 @@ async def _events(gen: Generation, *, include_usage: bool, want_logprobs: bool) 
         async with aclosing(gen.outputs()) as outputs:
             async for out in outputs:
                 final = out
-                entries = fmt.new_logprobs(out) if want_logprobs else []
+                entries = (out.new_logprobs or []) if want_logprobs else []
                 if not (out.new_text or out.finished or entries):
                     continue  # the detokenizer is holding text back (partial character or stop string)
                 logprobs = None

@@ -36,16 +36,12 @@ class ResponseMeta:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def new_logprobs(out: RequestOutput) -> list[TokenLogprob]:
-    """The logprobs of this step's tokens (the engine's list is cumulative)."""
-    if out.logprobs is None or not out.new_token_ids:
-        return []
-    return out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
+def usage(final: RequestOutput) -> dict[str, Any]:
+    """The finished output's token counts. `cached_tokens`: prompt tokens served from the prefix cache
+    (whole blocks), as OpenAI and vLLM report them."""
+    prompt, completion = len(final.prompt_token_ids), final.num_output_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": final.metrics.num_cached_tokens}}
 
 
 def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], *, offset: int) -> dict[str, Any]:
@@ -88,7 +84,7 @@ def full_response(meta: ResponseMeta, final: RequestOutput, *, logprobs: dict[st
 
 def chunk(meta: ResponseMeta, *, text: str | None, finish_reason: str | None = None,
           logprobs: dict[str, Any] | None = None, role: bool = False,
-          usage_: dict[str, int] | None = None, include_usage_field: bool = False) -> dict[str, Any]:
+          usage_: dict[str, Any] | None = None, include_usage_field: bool = False) -> dict[str, Any]:
     """One stream chunk. Chat puts `text` in `delta`; `text=None` leaves the delta empty."""
     choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
     if meta.kind == "completion":

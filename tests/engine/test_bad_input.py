@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from decodeservice.engine import (
+    AsyncEngine,
     ConfigError,
     Engine,
     InvalidRequestError,
@@ -46,6 +47,38 @@ def test_prompt_longer_than_context(tiny: ModelBundle) -> None:
     # Nothing was queued, and the engine still serves.
     assert not engine.has_unfinished_requests()
     assert engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+
+
+def test_an_encoded_prompt_is_checked_once_where_it_is_made(tiny: ModelBundle) -> None:
+    engine = tiny.engine(max_model_len=64, num_gpu_blocks_override=8)
+    with pytest.raises(PromptTooLongError, match="64 tokens"):
+        engine.encode_prompt(list(range(64)))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.encode_prompt("")
+    assert info.value.param == "prompt"
+    encoded = engine.encode_prompt("Hello")
+    assert encoded.token_ids == tiny.tokenizer.encode("Hello")
+    out = engine.generate(tiny.tokenizer.encode("Hello"), SamplingParams(max_tokens=3, temperature=0.0))[0]
+    request_id = engine.add_request(encoded, SamplingParams(max_tokens=3, temperature=0.0))
+    finished = [o for _ in range(10) for o in engine.step() if o.finished]
+    assert [(o.request_id, o.token_ids) for o in finished] == [(request_id, out.token_ids)]
+
+
+async def test_async_engine_rejects_a_bad_prompt_in_the_callers_task(tiny: ModelBundle) -> None:
+    aengine = AsyncEngine(tiny.engine(max_model_len=64, num_gpu_blocks_override=8))
+    aengine.start()
+    try:
+        with pytest.raises(PromptTooLongError, match="64 tokens"):
+            async for _ in aengine.generate(list(range(64)), SamplingParams()):
+                pass
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate([tiny.model.config.vocab_size], SamplingParams()):
+                pass
+        outs = [o async for o in aengine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))]
+        assert outs[-1].finished and outs[-1].token_ids == [t for o in outs for t in o.new_token_ids]
+        assert aengine.is_alive and aengine.num_unfinished == 0
+    finally:
+        aengine.shutdown()
 
 
 def test_generation_stops_at_the_context_limit(tiny: ModelBundle) -> None:

@@ -53,3 +53,20 @@ def test_stop_string_cuts_the_stream(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("one two three four five")
     text = stream(tokenizer, ids, SamplingParams(stop=[" four"]))
     assert text == "one two three"
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.integers(min_value=0, max_value=49151), min_size=2, max_size=40),
+       span=st.tuples(st.floats(0, 1), st.integers(1, 6)), include=st.booleans(), step=st.sampled_from([1, 2]))
+def test_stop_string_anywhere_cuts_at_its_first_occurrence(tokenizer: Tokenizer, ids: list[int],
+                                                           span: tuple[float, int], include: bool,
+                                                           step: int) -> None:
+    # The stop string is a piece of the full decode, so it can begin in text already emitted tokens ago.
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    if not full:
+        return
+    start = int(span[0] * (len(full) - 1))
+    stop = full[start : start + span[1]]
+    cut = full.index(stop) + (len(stop) if include else 0)
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
+    assert stream(tokenizer, ids, params, step=step) == full[:cut]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from decodeservice.engine import Engine, SamplingParams
+from decodeservice.engine.outputs import RequestOutput, StepOutputError
 from tests.conftest import ModelBundle
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -122,3 +124,27 @@ def test_from_pretrained_by_name_and_path(bundled_gguf_path: Path) -> None:
     engine = Engine.from_pretrained(str(bundled_gguf_path), max_model_len=512, kv_cache_gib=0.05)
     assert engine.max_model_len == 512
     assert engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+
+
+def test_step_outputs_are_deltas_and_the_finished_one_carries_the_totals(bundled: ModelBundle,
+                                                                         prompts: list[str]) -> None:
+    engine = bundled.engine()
+    # A stop string that never matches still holds text back, so some steps add tokens but no text.
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1, stop=("@@@@",))
+    request_id = engine.add_request(prompts[3], params)
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert all(o.request_id == request_id for o in outs)
+    *steps, final = outs
+    assert final.finished and final.finish_reason == "length" and not any(o.finished for o in steps)
+    assert final.token_ids == [t for o in outs for t in o.new_token_ids] and len(final.token_ids) == 24
+    assert final.text == "".join(o.new_text for o in outs) == bundled.tokenizer.decode(final.token_ids)
+    assert final.logprobs == [lp for o in outs for lp in o.new_logprobs or []]
+    assert [lp.token_id for lp in final.logprobs] == final.token_ids
+    counts = [o.num_output_tokens for o in outs]
+    assert counts == list(itertools.accumulate(len(o.new_token_ids) for o in outs))
+    with pytest.raises(StepOutputError, match="delta"):
+        _ = steps[0].token_ids
+    again = engine.generate(prompts[3], params)[0]  # generate hands back the same finished output
+    assert (again.token_ids, again.text, again.logprobs) == (final.token_ids, final.text, final.logprobs)

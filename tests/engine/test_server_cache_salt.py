@@ -1,8 +1,10 @@
-"""`cache_salt` on the engine's OpenAI API: validated, and only requests with the same salt share a
-cached prefix (read from the engine's prefix-cache hit counter on /metrics)."""
+"""The prefix cache on the engine's OpenAI API: `cache_salt` is validated, and only requests with the
+same salt share a cached prefix (read from the engine's prefix-cache hit counter on /metrics); each
+response's `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were served from it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,3 +59,36 @@ def test_bad_salt_is_a_400(srv: RunningServer, path: str, body: dict[str, Any], 
     error = r.json()["error"]
     assert error["param"] == "cache_salt" and error["type"] == "invalid_request_error"
     assert why in error["message"]
+
+
+def _usage(srv: RunningServer, path: str, body: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+    """The usage block of one greedy request: the body's, or a stream's final usage chunk."""
+    body = {"max_tokens": 2, "temperature": 0, **body}
+    if not stream:
+        r = httpx.post(f"{srv.url}{path}", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["usage"])
+    chunks = []
+    with httpx.stream("POST", f"{srv.url}{path}", json={**body, "stream": True,
+                                                         "stream_options": {"include_usage": True}},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
+    return dict(chunks[-1]["usage"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, key", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_usage_reports_cached_prompt_tokens(srv: RunningServer, path: str, key: str, stream: bool) -> None:
+    # A salt of its own, so no other test's blocks are cached for it (a chat's template begins the same).
+    body: dict[str, Any] = {key: PROMPT if key == "prompt" else [{"role": "user", "content": PROMPT}],
+                            "cache_salt": f"usage-{path}-{stream}"}
+    first = _usage(srv, path, body, stream=stream)
+    second = _usage(srv, path, body, stream=stream)
+    assert first["prompt_tokens"] == second["prompt_tokens"] > 32
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    # Whole 16-token blocks, never the last prompt token (it must be computed for the logits).
+    assert cached >= 32 and cached % 16 == 0 and cached < second["prompt_tokens"]
+    assert cached == 16 * ((second["prompt_tokens"] - 1) // 16)
