@@ -102,7 +102,47 @@ def engine_crd_schema() -> dict[str, Any]:
     props["extraArgs"] = {"type": "array", "default": [], "maxItems": 64,
                           "description": "Extra command-line arguments appended to the engine's.",
                           "items": {"type": "string"}}
+    props.update(_env_properties())
     return _object("The inference engine behind the proxy.", props, ("engine",))
+
+
+def _ref(what: str, *, key: bool) -> dict[str, Any]:
+    props: dict[str, Any] = {"name": {"type": "string", "description": f"Name of the {what}."}}
+    if key:
+        props["key"] = {"type": "string", "description": f"Key in the {what}."}
+    props["optional"] = {"type": "boolean", "description": f"Whether the {what} may be missing."}
+    return {"type": "object", "required": ["name", "key"] if key else ["name"], "description": f"A {what}.",
+            "properties": props}
+
+
+def _env_properties() -> dict[str, Any]:
+    """The engine container's env and envFrom, as core/v1 has them (operator/podspec.py checks them)."""
+    value_from = {
+        "type": "object", "description": "Where the value comes from (exactly one source).",
+        "properties": {
+            "secretKeyRef": _ref("Secret", key=True), "configMapKeyRef": _ref("ConfigMap", key=True),
+            "fieldRef": {"type": "object", "required": ["fieldPath"], "description": "A field of the pod.",
+                         "properties": {"fieldPath": {"type": "string", "description": "Path of the field."},
+                                        "apiVersion": {"type": "string", "description": "Its API version."}}},
+            "resourceFieldRef": {"type": "object", "required": ["resource"],
+                                 "description": "A resource of the container.", "properties": {
+                                     "resource": {"type": "string", "description": "Resource name."},
+                                     "containerName": {"type": "string", "description": "Container name."},
+                                     "divisor": {"type": "string", "description": "Divisor of the value."}}}}}
+    env_var = {"type": "object", "required": ["name"], "description": "A core/v1 EnvVar.", "properties": {
+        "name": {"type": "string", "minLength": 1, "description": "Variable name (not one the operator sets)."},
+        "value": {"type": "string", "description": "Literal value."},
+        "valueFrom": value_from}}
+    env_from = {"type": "object", "description": "A core/v1 EnvFromSource (exactly one of the refs).",
+                "properties": {"prefix": {"type": "string", "description": "Prefix for every variable name."},
+                               "secretRef": _ref("Secret", key=False),
+                               "configMapRef": _ref("ConfigMap", key=False)}}
+    return {
+        "env": {"type": "array", "default": [], "maxItems": 128, "items": env_var,
+                "description": "Extra environment of the engine container (for example secrets for vLLM)."},
+        "envFrom": {"type": "array", "default": [], "maxItems": 32, "items": env_from,
+                    "description": "Secrets and ConfigMaps whose keys become the engine container's environment."},
+    }
 
 
 # --- operator/engine_knobs.py ---------------------------------------------------------------------------

@@ -16,14 +16,32 @@ from decodeservice.operator.spec import EngineKind, ModelSource, SpecMethod, Val
 
 ENGINE_PORT = 8001
 PROXY_PORT = 8000
-MODELS_DIR = "/models"  # hf downloads land in an emptyDir here; pvc claims mount below it read-only
+MODELS_DIR = "/models"  # hf downloads land in the model cache here; pvc claims mount below it read-only
 CACHE_DIR = "/cache"
+COMPLETE_MARKER = ".decodeservice-complete"
 
-# Downloads a Hugging Face snapshot; arguments come through argv so no user text is pasted into code.
-_HF_DOWNLOAD = (
-    "import sys\n"
+# What each engine reads from a snapshot; nothing else is downloaded (a Llama repo's original/*.pth
+# doubles the download). The builtin engine: config.json, *.safetensors, tokenizer.json and its config
+# files (engine/loader/hf_loader.py, engine/tokenizer.py). vLLM: the same plus slow-tokenizer files, chat
+# templates and remote code.
+BUILTIN_PATTERNS = ("*.json", "*.safetensors", "*.jinja")
+VLLM_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py")
+IGNORE_PATTERNS = ("original/*",)
+
+# Downloads a Hugging Face snapshot once: a finished download leaves a marker, and a pod that finds it
+# (the model cache is a PVC the service's pods share) does not download again. Arguments come through
+# argv so no user text is pasted into code.
+HF_DOWNLOAD = (
+    "import json, pathlib, sys\n"
+    "repo, revision, target = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])\n"
+    f"done = target / {COMPLETE_MARKER!r}\n"
+    "if done.is_file() and done.read_text() == revision:\n"
+    "    print(f'{repo}@{revision}: in the model cache', flush=True)\n"
+    "    sys.exit(0)\n"
     "from huggingface_hub import snapshot_download\n"
-    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])\n"
+    "snapshot_download(repo_id=repo, revision=revision, local_dir=target,\n"
+    "                  allow_patterns=json.loads(sys.argv[4]), ignore_patterns=json.loads(sys.argv[5]))\n"
+    "done.write_text(revision)\n"
 )
 
 
@@ -36,6 +54,9 @@ class ModelPlan:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     mounts: list[dict[str, Any]] = field(default_factory=list)
     downloads: list[ModelSource] = field(default_factory=list)  # hf sources for the init container
+    allow_patterns: tuple[str, ...] = BUILTIN_PATTERNS
+    # The engine's ephemeral-storage request: the emptyDir's size limit (None with a PVC cache or no download).
+    ephemeral_request: str | None = None
 
 
 def _hf_dir(source: ModelSource) -> str:
@@ -65,15 +86,24 @@ def plan_models(v: ValidatedSpec) -> ModelPlan:
     if claim is not None:
         volumes.append({"name": "model-pvc", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model-pvc", "mountPath": f"{MODELS_DIR}/pvc", "readOnly": True})
+    cache, ephemeral = v.spec.model.cache, None
     if downloads:
-        volumes.append({"name": "model-cache", "emptyDir": {}})
+        if cache.claim_name is not None:  # shared by the pods; the init container alone mounts it writable
+            volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
+        else:
+            volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": cache.size_limit}})
+            ephemeral = cache.size_limit
         mounts.append({"name": "model-cache", "mountPath": f"{MODELS_DIR}/hf", "readOnly": True})
-    return ModelPlan(model_arg=model_arg, draft_arg=draft_arg, volumes=volumes, mounts=mounts, downloads=downloads)
+    patterns = VLLM_PATTERNS if v.spec.engine.kind is EngineKind.VLLM else BUILTIN_PATTERNS
+    return ModelPlan(model_arg=model_arg, draft_arg=draft_arg, volumes=volumes, mounts=mounts, downloads=downloads,
+                     allow_patterns=patterns, ephemeral_request=ephemeral)
 
 
 def download_commands(plan: ModelPlan) -> list[list[str]]:
     """One `python -c` per hf snapshot; the init container runs them in order."""
-    return [["python", "-c", _HF_DOWNLOAD, s.name, s.revision or "main", _hf_dir(s)] for s in plan.downloads]
+    allow, ignore = json.dumps(list(plan.allow_patterns)), json.dumps(list(IGNORE_PATTERNS))
+    return [["python", "-c", HF_DOWNLOAD, s.name, s.revision or "main", _hf_dir(s), allow, ignore]
+            for s in plan.downloads]
 
 
 def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:

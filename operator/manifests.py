@@ -26,6 +26,7 @@ from decodeservice.operator.engines import (
 )
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.inference_pool import build_inference_pool, pod_labels
+from decodeservice.operator.podspec import dump
 from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSpec, validate_spec
 
 # Two builds of one Dockerfile (TORCH_VARIANT): CPU torch for the proxy, the init container and CPU
@@ -150,12 +151,16 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, *plan.mounts]
     if vllm:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    return {
+    requests = {"cpu": res.cpu, "memory": res.memory}
+    if plan.ephemeral_request is not None:  # the downloaded model's emptyDir counts against the node's disk
+        requests["ephemeral-storage"] = plan.ephemeral_request
+    engine = v.spec.engine
+    container: dict[str, Any] = {
         "name": "engine", "image": image, "imagePullPolicy": opts.image_pull_policy,
         "command": command, "args": args,
         "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _cache_env(),
-        "resources": {"requests": {"cpu": res.cpu, "memory": res.memory}, "limits": limits},
+        "env": _cache_env() + dump(engine.env),
+        "resources": {"requests": requests, "limits": limits},
         "startupProbe": _probe("/health", "engine", period=5, failures=360),  # model loads may take 30 min
         "readinessProbe": _probe(ready_path, "engine", period=5, failures=3),
         "livenessProbe": _probe("/health", "engine", period=10, failures=3),
@@ -163,6 +168,9 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": mounts,
     }
+    if engine.env_from:
+        container["envFrom"] = dump(engine.env_from)
+    return container
 
 
 def engine_image(v: ValidatedSpec, opts: BuildOptions) -> str:
@@ -204,16 +212,20 @@ def _proxy_container(v: ValidatedSpec, opts: BuildOptions) -> dict[str, Any]:
     }
 
 
-def _init_container(plan: ModelPlan, opts: BuildOptions) -> dict[str, Any] | None:
+def _init_container(v: ValidatedSpec, plan: ModelPlan, opts: BuildOptions) -> dict[str, Any] | None:
     commands = download_commands(plan)
     if not commands:
         return None
     # One shell-free chain: each download is its own argv, run by Python's subprocess in order.
     runner = "import subprocess, sys, json\nfor cmd in json.loads(sys.argv[1]):\n    subprocess.run(cmd, check=True)\n"
+    env: list[dict[str, Any]] = [*_cache_env()]
+    token = v.spec.model.token_secret
+    if token is not None:  # gated models: the download authenticates; the engine reads local files only
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
     return {
         "name": "fetch-model", "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
         "command": ["python", "-c", runner, json.dumps(commands)],
-        "env": _cache_env(),
+        "env": env,
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "model-cache", "mountPath": f"{MODELS_DIR}/hf"},
@@ -250,13 +262,14 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         "containers": [_engine_container(v, opts, plan), _proxy_container(v, opts)],
         "volumes": volumes,
     }
-    init = _init_container(plan, opts)
+    init = _init_container(v, plan, opts)
     if init is not None:
         pod_spec["initContainers"] = [init]
     if res.node_selector:
         pod_spec["nodeSelector"] = dict(res.node_selector)
     if res.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations]
+    _pass_through(v, pod_spec, selector=selector_labels(name))
     # By default a new pod is Ready before an old one goes (a one-replica service keeps serving);
     # spec.rollout lets a GPU-quota-bound cluster replace in place instead.
     rollout = v.spec.rollout
@@ -269,8 +282,8 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
             "selector": {"matchLabels": selector_labels(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
-                "metadata": {"labels": {**labels, **pod_labels(v)}, "annotations": {
-                    POLICY_HASH_ANNOTATION: policy_hash,
+                "metadata": {"labels": {**v.spec.pod.labels, **labels, **pod_labels(v)}, "annotations": {
+                    **v.spec.pod.annotations, POLICY_HASH_ANNOTATION: policy_hash,
                     "prometheus.io/scrape": "true", "prometheus.io/port": str(PROXY_PORT),
                     "prometheus.io/path": "/metrics"}},
                 "spec": pod_spec,
@@ -293,6 +306,23 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
     pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=selector_labels(name))
     return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb, inference_pool=pool)
+
+
+def _pass_through(v: ValidatedSpec, pod_spec: dict[str, Any], *, selector: dict[str, str]) -> None:
+    """spec.pod's scheduling fields, checked by its models (operator/podspec.py), copied as given."""
+    extra = v.spec.pod
+    if extra.affinity is not None:
+        pod_spec["affinity"] = dump(extra.affinity)
+    if extra.topology_spread_constraints:
+        # Without a labelSelector a constraint counts no pods at all: spread this service's own.
+        pod_spec["topologySpreadConstraints"] = [{"labelSelector": {"matchLabels": dict(selector)}, **dump(c)}
+                                                 for c in extra.topology_spread_constraints]
+    if extra.runtime_class_name is not None:
+        pod_spec["runtimeClassName"] = extra.runtime_class_name
+    if extra.priority_class_name is not None:
+        pod_spec["priorityClassName"] = extra.priority_class_name
+    if extra.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = dump(extra.image_pull_secrets)
 
 
 def render(body: Mapping[str, Any], *, options: BuildOptions | None = None,

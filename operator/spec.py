@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError
 from decodeservice.operator.engine_knobs import EngineKnobs, Quantization, SpeculativeKnobs
 from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
 from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.operator.podspec import DNS_SUBDOMAIN, EnvFromSource, EnvVar, PodSpec, TokenSecret
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
 from decodeservice.serving.camel_model import CamelModel
@@ -61,9 +62,23 @@ class AutoscalingMode(enum.StrEnum):
     EXTERNAL = "external"
 
 
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+
+
+class ModelCacheSpec(_Model):
+    """Where hf:// downloads land. claimName: a PVC the service's pods share (the first pod downloads, the
+    rest find the files; engines mount it read-only). Unset: an emptyDir per pod, of at most sizeLimit,
+    which the engine container requests as ephemeral storage."""
+
+    claim_name: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    size_limit: str = Field("50Gi", pattern=QUANTITY_PATTERN)
+
+
 class ModelSpec(_Model):
     uri: str = Field(pattern=MODEL_URI_PATTERN)
     served_name: str | None = Field(None, min_length=1, max_length=128)
+    token_secret: TokenSecret | None = None
+    cache: ModelCacheSpec = Field(default_factory=lambda: ModelCacheSpec.model_validate({}))
 
 
 # The knob fields (max_num_seqs, kv_cache_gib, quantization, w8a8, compile; method, num_tokens) come from
@@ -78,6 +93,8 @@ class EngineSpec(EngineKnobs):
     image: str | None = Field(None, min_length=1)
     speculative: SpeculativeSpec = Field(default_factory=lambda: SpeculativeSpec.model_validate({}))
     extra_args: tuple[str, ...] = ()
+    env: tuple[EnvVar, ...] = Field((), max_length=128)
+    env_from: tuple[EnvFromSource, ...] = Field((), max_length=32)
 
 
 class Toleration(_Model):
@@ -86,9 +103,6 @@ class Toleration(_Model):
     value: str | None = None
     effect: str | None = Field(None, pattern=r"^(NoSchedule|PreferNoSchedule|NoExecute)$")
     toleration_seconds: int | None = None
-
-
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 
 
 class ResourcesSpec(_Model):
@@ -160,6 +174,7 @@ class DecodeServiceSpec(_Model):
     autoscaling: AutoscalingSpec = Field(default_factory=lambda: AutoscalingSpec.model_validate({}))
     routing: RoutingSpec = Field(default_factory=lambda: RoutingSpec.model_validate({}))
     rollout: RolloutSpec = Field(default_factory=lambda: RolloutSpec.model_validate({}))
+    pod: PodSpec = Field(default_factory=lambda: PodSpec.model_validate({}))
     # Kept as the raw mapping here; `policy` below validates it with the proxy's own model.
     policies: dict[str, Any] = Field(default_factory=dict)
 
@@ -308,8 +323,28 @@ def validate_spec(raw: Mapping[str, Any] | None) -> ValidatedSpec:
     return ValidatedSpec(spec=spec, model=model, draft=draft, policy=policy, served_name=served)
 
 
+# Set by the operator on the engine container (manifests._cache_env): spec.engine.env may not shadow them.
+OPERATOR_ENV = ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _check_sources(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSource | None) -> None:
+    downloads = any(s is not None and s.kind == "hf" for s in (model, draft))
+    if spec.model.token_secret is not None and not downloads:
+        raise InvalidSpecError("spec.model.tokenSecret: only hf:// models are downloaded; this spec has none")
+    if spec.model.cache.claim_name is not None and not downloads:
+        raise InvalidSpecError("spec.model.cache.claimName: only hf:// downloads use the cache; this spec has none")
+    names = [e.name for e in spec.engine.env]
+    for i, name in enumerate(names):
+        if name in OPERATOR_ENV:
+            raise InvalidSpecError(f"spec.engine.env[{i}].name: {name} is set by the operator (the pod's caches "
+                                   "live under its volumes)")
+        if name in names[:i]:
+            raise InvalidSpecError(f"spec.engine.env[{i}].name: {name} is given twice")
+
+
 def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSource | None) -> None:
     """Rules that need to know what each engine supports; the schema cannot express these."""
+    _check_sources(spec, model=model, draft=draft)
     engine = spec.engine
     if draft is not None and draft.kind == "pvc" and model.kind == "pvc" and draft.claim != model.claim:
         raise InvalidSpecError("spec.engine.speculative.draftModel: a pvc:// draft must live on the model's claim "

@@ -4,6 +4,7 @@ CRD, the chart's copy, the Python spec and the proxy's Policy model agree."""
 from __future__ import annotations
 
 import copy
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -125,6 +126,9 @@ def _model_fields(model: type[BaseModel]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, info in model.model_fields.items():
         sub = info.annotation
+        inner = [a for a in typing.get_args(sub) if a is not type(None)]
+        if len(inner) == 1 and len(typing.get_args(sub)) == 2:  # `X | None`
+            sub = inner[0]
         key = info.alias or name
         out[key] = _model_fields(sub) if isinstance(sub, type) and issubclass(sub, BaseModel) else None
     return out
@@ -172,3 +176,13 @@ def test_crd_has_descriptions_everywhere_and_the_required_shape() -> None:
             walk(schema["items"], f"{path}[]")
 
     walk(version["schema"]["openAPIV3Schema"], "")
+
+
+@pytest.mark.parametrize("field", ["engine", "model", "rollout"])
+def test_crd_schema_matches_the_spec_model(field: str) -> None:
+    from decodeservice.operator.spec import DecodeServiceSpec
+
+    schema = open_api_schema()["properties"]["spec"]["properties"][field]
+    sub = DecodeServiceSpec.model_fields[field].annotation
+    assert isinstance(sub, type) and issubclass(sub, BaseModel)
+    assert _schema_fields(schema) == _model_fields(sub)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from decodeservice.operator.engines import COMPLETE_MARKER, HF_DOWNLOAD
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.manifests import DEFAULT_CUDA_IMAGE, DEFAULT_IMAGE, BuildOptions, Children, render
 from tests.operator.helpers import CHART, ROOT, example_paths, load
@@ -114,3 +120,163 @@ def test_the_dockerfile_builds_both_images_the_operator_names() -> None:
     assert 'index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"' in text
     assert f"--build-arg TORCH_VARIANT=cpu   -t {DEFAULT_IMAGE} ." in text
     assert f"--build-arg TORCH_VARIANT=cu128 -t {DEFAULT_CUDA_IMAGE} ." in text
+
+
+def hf(model: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    body = minimal(**spec)
+    body["spec"]["model"] = {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@abc123", **(model or {})}
+    return body
+
+
+def test_gated_models_get_the_token_for_their_download() -> None:
+    body = hf(model={"tokenSecret": {"name": "hf-token"}})
+    assert validate(body) == []
+    children = render(body)
+    fetch, engine = container(children, "fetch-model"), container(children, "engine")
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in fetch["env"]
+    assert all(e["name"] != "HF_TOKEN" for e in engine["env"])  # the engine reads local files only
+    kubernetes_validate.validate(children.deployment, K8S_VERSION, strict=True)
+    with pytest.raises(InvalidSpecError, match="tokenSecret: only hf:// models are downloaded"):
+        render(minimal(model={"uri": "bundled://smollm2-135m", "tokenSecret": {"name": "hf-token"}}))
+    assert any("does not match" in e for e in validate(hf(model={"tokenSecret": {"name": "Bad_Name"}})))
+
+
+def test_engine_env_and_env_from_reach_the_engine_container() -> None:
+    env = [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"},
+           {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "engine"}}},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env_from = [{"secretRef": {"name": "engine-secrets"}}, {"configMapRef": {"name": "tuning"}, "prefix": "T_"}]
+    body = minimal(engine={"env": env, "envFrom": env_from})
+    assert validate(body) == []
+    children = render(body)
+    engine = container(children, "engine")
+    assert engine["env"][-3:] == env and engine["envFrom"] == env_from
+    kubernetes_validate.validate(children.deployment, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"env": [{"name": "HOME", "value": "/root"}]}, r"env\[0\].name: HOME is set by the operator"),
+    ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "given twice"),
+    ({"env": [{"name": "1A", "value": "x"}]}, "should match pattern"),
+    ({"env": [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}, "exclusive"),
+    ({"env": [{"name": "A", "valueFrom": {}}]}, "exactly one"),
+    ({"envFrom": [{"prefix": "P_"}]}, "exactly one of secretRef and configMapRef"),
+    ({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}]}, "key"),
+])
+def test_bad_env_is_an_invalid_spec(engine: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        render(minimal(engine=engine))
+
+
+# A Llama repo as the hub lists it: original/ holds a second, .pth copy of the weights nobody loads.
+LLAMA_FILES = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",
+               "model-00004-of-00004.safetensors", "model.safetensors.index.json", "special_tokens_map.json",
+               "tokenizer.json", "tokenizer_config.json", "LICENSE", "README.md", "USE_POLICY.md",
+               "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model"]
+
+
+@pytest.mark.parametrize("kind", ["builtin", "vllm"])
+def test_downloads_fetch_only_what_the_engine_reads(kind: str) -> None:
+    from huggingface_hub.utils import filter_repo_objects  # what snapshot_download filters the listing with
+
+    body = hf(resources={"gpus": 1}, engine={"kind": kind, "quantization": "none" if kind == "builtin" else "auto"})
+    (command,) = json.loads(container(render(body), "fetch-model")["command"][-1])
+    allow, ignore = json.loads(command[-2]), json.loads(command[-1])
+    fetched = set(filter_repo_objects(LLAMA_FILES, allow_patterns=allow, ignore_patterns=ignore))
+    assert not any(f.startswith("original/") or f.endswith(".pth") for f in fetched)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model-00001-of-00004.safetensors"} <= fetched
+
+
+def _download(target: Path, revision: str) -> subprocess.CompletedProcess[str]:
+    # Offline: nothing leaves the machine.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(target.parent / "hf-home")}
+    return subprocess.run([sys.executable, "-c", HF_DOWNLOAD, "org/m", revision, str(target), '["*.json"]', "[]"],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_finished_download_is_not_repeated(tmp_path: Path) -> None:
+    target = tmp_path / "org--m@abc"
+    target.mkdir()
+    (target / COMPLETE_MARKER).write_text("abc")
+    done = _download(target, "abc")
+    assert done.returncode == 0 and "in the model cache" in done.stdout, done.stderr
+    # Another revision is fetched (offline, snapshot_download settles for the local folder) and recorded.
+    other = _download(target, "def")
+    assert "in the model cache" not in other.stdout and (target / COMPLETE_MARKER).read_text() == "def"
+
+
+def test_a_pvc_cache_is_shared_and_engines_mount_it_read_only() -> None:
+    children = render(hf(model={"cache": {"claimName": "models-rwx"}}))
+    volumes = {v["name"]: v for v in pod(children)["volumes"]}
+    assert volumes["model-cache"] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models-rwx"}}
+    fetch_mount = next(m for m in container(children, "fetch-model")["volumeMounts"] if m["name"] == "model-cache")
+    engine_mount = next(m for m in container(children, "engine")["volumeMounts"] if m["name"] == "model-cache")
+    assert not fetch_mount.get("readOnly") and engine_mount["readOnly"] is True
+    assert "ephemeral-storage" not in container(children, "engine")["resources"]["requests"]
+    with pytest.raises(InvalidSpecError, match="cache.claimName: only hf:// downloads"):
+        render(minimal(model={"uri": "bundled://smollm2-135m", "cache": {"claimName": "c"}}))
+
+
+@pytest.mark.parametrize(("cache", "size"), [({}, "50Gi"), ({"sizeLimit": "200Gi"}, "200Gi")])
+def test_the_per_pod_download_is_bounded_and_requested(cache: dict[str, str], size: str) -> None:
+    children = render(hf(model={"cache": cache}))
+    volumes = {v["name"]: v for v in pod(children)["volumes"]}
+    assert volumes["model-cache"]["emptyDir"] == {"sizeLimit": size}
+    assert container(children, "engine")["resources"]["requests"]["ephemeral-storage"] == size
+    kubernetes_validate.validate(children.deployment, K8S_VERSION, strict=True)
+
+
+POD = {
+    "labels": {"team": "search", "example.com/cost-center": "ml-42"},
+    "annotations": {"example.com/owner": "search@example.com"},
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}]}},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 50, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "m"}}}}]}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+    "runtimeClassName": "nvidia",
+    "priorityClassName": "inference-high",
+    "imagePullSecrets": [{"name": "registry"}],
+}
+
+
+def test_pod_template_passthrough_reaches_the_pods() -> None:
+    body = minimal(pod=POD)
+    assert validate(body) == []
+    children = render(body)
+    spec, meta = pod(children), children.deployment["spec"]["template"]["metadata"]
+    assert spec["affinity"] == POD["affinity"]
+    assert spec["topologySpreadConstraints"] == [{**POD["topologySpreadConstraints"][0], "labelSelector": {
+        "matchLabels": children.deployment["spec"]["selector"]["matchLabels"]}}]
+    assert (spec["runtimeClassName"], spec["priorityClassName"]) == ("nvidia", "inference-high")
+    assert spec["imagePullSecrets"] == [{"name": "registry"}]
+    assert meta["labels"]["team"] == "search" and meta["labels"]["app.kubernetes.io/instance"] == "m"
+    assert meta["annotations"]["example.com/owner"] == "search@example.com"
+    assert "decode.dev/policy-hash" in meta["annotations"]
+    kubernetes_validate.validate(children.deployment, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("labels", {"app.kubernetes.io/instance": "other"}, "prefixes are the operator's"),
+    ("labels", {"team": "not a value"}, "is not a label value"),
+    ("annotations", {"prometheus.io/port": "9999"}, "operator sets the prometheus.io/"),
+    ("annotations", {"bad key!": "x"}, "the name must be"),
+    ("affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "k", "operator": "Near"}]}]}}}, "operator"),
+    ("affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "k", "operator": "In"}]}]}}}, "takes some values"),
+    ("affinity", {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}}]}},
+     "topologyKey"),
+    ("affinity", {"nodeAfinity": {}}, "unknown field"),
+    ("topologySpreadConstraints", [{"maxSkew": 0, "topologyKey": "z", "whenUnsatisfiable": "DoNotSchedule"}],
+     "greater than or equal to 1"),
+    ("topologySpreadConstraints", [{"maxSkew": 1, "topologyKey": "z", "whenUnsatisfiable": "Maybe"}],
+     "should match pattern"),
+    ("runtimeClassName", "NVIDIA", "should match pattern"),
+    ("imagePullSecrets", [{}], "name"),
+])
+def test_bad_pod_fields_are_invalid_specs(field: str, value: Any, message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        render(minimal(pod={field: value}))
