@@ -11,6 +11,7 @@ biases are random too, so a norm or bias that is dropped or misplaced changes th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 
 from decodeservice.engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from decodeservice.engine.engine import build_model
+from decodeservice.engine.errors import UnsupportedModelError
 from decodeservice.engine.loader import LoadedModel, load_model
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -152,10 +154,12 @@ def test_hf_dir_matches_transformers(saved: dict[str, tuple[Path, Any]], name: s
     assert drafted > 0  # speculation really ran: drafts were scored in multi-row verifies
 
 
-def write_gguf(path: Path, family: Family, hf: Any, *, qtype: Any = Q.F32) -> Path:
+def write_gguf(path: Path, family: Family, hf: Any, *, qtype: Any = Q.F32,
+               edit: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """The transformers model's weights as llama.cpp's converter lays them out for `family.gguf_arch`.
 
-    Projections are written as `qtype`; norms, biases and rope_freqs F32, as llama.cpp keeps 1-D tensors."""
+    Projections are written as `qtype`; norms, biases and rope_freqs F32, as llama.cpp keeps 1-D tensors.
+    `edit` adds to the file before it is written."""
     cfg, arch = hf.config, family.gguf_arch
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -203,6 +207,8 @@ def write_gguf(path: Path, family: Family, hf: Any, *, qtype: Any = Q.F32) -> Pa
             writer.add_tensor(gguf_name, w)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    if edit is not None:
+        edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -270,6 +276,18 @@ def test_quantized_paths_keep_biases_and_norms(saved: dict[str, tuple[Path, Any]
         # bf16 activations (where this CPU runs them faster) move single logits by up to ~0.7, 0.02-0.06 on average
         assert float((got - want).abs().mean()) < 0.15, name
         assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9, name
+
+
+def test_gguf_rope_it_cannot_run_is_refused(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    hf = saved["mistral"][1]
+    linear = write_gguf(tmp_path / "linear.gguf", BY_NAME["mistral"], hf,
+                        edit=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR))
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'linear'"):
+        load_model(linear)
+    short = write_gguf(tmp_path / "short.gguf", BY_NAME["mistral"], hf,
+                       edit=lambda w: w.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32)))
+    with pytest.raises(UnsupportedModelError, match="rope_freq_factors needs head_dim // 2 = 16"):
+        load_model(short)
 
 
 @pytest.mark.parametrize("name", list(BY_NAME))

@@ -10,7 +10,8 @@ from typing import Any
 import gguf
 import pytest
 
-from decodeservice.engine.errors import UnsupportedModelError
+from decodeservice.engine.config import ModelConfig
+from decodeservice.engine.errors import ConfigError, UnsupportedModelError
 from decodeservice.engine.loader.architectures import (
     SUPPORTED_GGUF_ARCHITECTURES,
     SUPPORTED_MODEL_TYPES,
@@ -139,3 +140,17 @@ def test_gguf_pre_tokenizers_match_transformers(tmp_path: Path, pre: str) -> Non
         assert ours.encode(text) == theirs(text)["input_ids"], text
     twelve = tokens.index("12")
     assert (twelve in ours.encode("123")) is (pre == "llama-bpe")
+
+
+def test_model_config_checks_the_family_fields() -> None:
+    base = dict(vocab_size=8, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                head_dim=16, max_position_embeddings=256)
+    assert ModelConfig(**base, rope_freq_factors=(1.0,) * 8, sliding_window=256).rope_freq_factors == (1.0,) * 8
+    with pytest.raises(ConfigError, match="head_dim // 2 = 8"):
+        ModelConfig(**base, rope_freq_factors=(1.0,) * 16)
+    with pytest.raises(ConfigError, match="positive"):
+        ModelConfig(**base, rope_freq_factors=(1.0,) * 7 + (0.0,))
+    with pytest.raises(ConfigError, match="sliding window 128"):
+        ModelConfig(**base, sliding_window=128)
+    with pytest.raises(ConfigError, match="even"):
+        ModelConfig(**base | {"head_dim": 15})
