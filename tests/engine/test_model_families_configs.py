@@ -154,3 +154,23 @@ def test_model_config_checks_the_family_fields() -> None:
         ModelConfig(**base, sliding_window=128)
     with pytest.raises(ConfigError, match="even"):
         ModelConfig(**base | {"head_dim": 15})
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"])
+def test_llama3_rotary_frequencies_equal_transformers_at_full_size(tmp_path: Path, name: str) -> None:
+    """The frequencies our rotary tables turn at, for the real Llama 3.1/3.2 RoPE settings (128-wide
+    heads, factor 8 or 32), against transformers' own llama3 RoPE initialisation."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from decodeservice.engine.model import Rotary
+
+    raw = REAL_CONFIGS[name]
+    config, _ = read_hf_config(hf_dir(tmp_path, raw))
+    theirs, scale = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**raw), "cpu")
+    rotary = Rotary(config.head_dim, config.rope_theta, 2, config.rope_freq_factors)
+    half = config.head_dim // 2
+    ours = torch.atan2(rotary.sin[1, half:], rotary.cos[1, :half])  # position 1: the angle is the frequency
+    assert scale == 1.0
+    torch.testing.assert_close(ours, theirs.float(), rtol=2e-6, atol=0)
