@@ -24,7 +24,7 @@ from decodeservice.engine.outputs import (
     RequestOutput,
     SpecDecodeStats,
 )
-from decodeservice.engine.quant import Int4Weight, resolve_precision
+from decodeservice.engine.quant import ActivationChoice, Int4Weight, plan_kernels, resolve_precision
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
 from decodeservice.engine.sampler import make_generator, sample_token, token_logprob
 from decodeservice.engine.sampling_params import SamplingParams
@@ -335,7 +335,8 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
                 int4: Mapping[str, Int4Weight] | None = None) -> LlamaModel:
     """The model at the precision `config` resolves to (see engine/quant); `int4` are 4-bit weights
     as loaded (GGUF Q4_0/Q4_1), by HF name."""
-    precision = resolve_precision(config, source_has_int4=bool(int4))
+    precision = resolve_precision(config, source_has_int4=bool(int4), hidden_size=cfg.hidden_size,
+                                  intermediate_size=cfg.intermediate_size)
     with torch.device("meta"):
         model = LlamaModel(cfg).to(dtype=precision.activations)
     # Built on the meta device, so no time goes into random init of weights we overwrite; the memory
@@ -344,4 +345,7 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     model.tie_weights()
     model.load_hf_weights(weights, int4=int4, weight_format=precision.weights, w8a8=config.w8a8)
     model.rotary.reset_tables(config.device)
+    if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
+        model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
+                                                                             reason=precision.reason))
     return model.eval()

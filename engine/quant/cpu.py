@@ -13,6 +13,7 @@ AVX2 paths of both libraries, which is how the test suite covers CPUs without AV
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -68,3 +69,17 @@ def detect_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuCapability:
     return CpuCapability(model_name=model_name or "unknown", aten=torch.backends.cpu.get_cpu_capability(),
                          onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
                          flags=flags)
+
+
+@functools.cache
+def int8_gemm_is_exact() -> bool:
+    """Does torch._int_mm return the exact int32 product here? oneDNN's AVX2 path without VNNI sums
+    u8 x s8 pairs in saturating int16 (vpmaddubsw): measured off by up to ~66k on sums of 256 products
+    under ONEDNN_MAX_CPU_ISA=AVX2, exact with AVX2-VNNI, AVX-512-VNNI or AMX. W8A8 needs it exact."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=gen)
+    b = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=gen)
+    a[:, :8], b[:, :8] = 127, 127  # the extremes that saturate a 16-bit pair sum
+    return bool(torch.equal(torch._int_mm(a, b.t()).long(), a.long() @ b.long().t()))

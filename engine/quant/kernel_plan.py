@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu
+from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.linear import KERNEL_DTYPE, RowPlanned
 
 log = logging.getLogger("decodeservice.engine.kernels")
@@ -128,6 +128,10 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
                   for key, names in groups.items()}
         _write_cache(cache, shapes)
     fallbacks: list[str] = []
+    if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
+        fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
+        shapes = {key: ShapePlan(dense_from=p.dense_from, w8a8_from=None, timings_ms=p.timings_ms)
+                  for key, p in shapes.items()}
     for key, names in groups.items():
         for name in names:
             modules[name].set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)

@@ -279,6 +279,8 @@ async def models(request: Request) -> Response:
                             "owned_by": "decodeservice"}
     if state.aengine is not None:
         card["max_model_len"] = state.aengine.engine.max_model_len
+        if (plan := state.aengine.engine.model.kernel_plan) is not None:
+            card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
     return JSONResponse({"object": "list", "data": [card]})
 
 

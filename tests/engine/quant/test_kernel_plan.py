@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4
-from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu
+from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.kernel_plan import (
     ActivationChoice,
     _first_win,
@@ -115,7 +115,8 @@ def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path:
     model = TwoLayers()
     fp32 = ActivationChoice(dtype=torch.float32, reason="test")
     plan = plan_kernels(model, activations=fp32, cache_dir=tmp_path)
-    assert plan.source == "measured" and plan.fallbacks == ()
+    assert plan.source == "measured"
+    assert all("torch._int_mm is not exact" in line for line in plan.fallbacks)  # only where it is not (AVX2)
     assert set(plan.shapes) == {"Int4Linear 192x64", "Int8Linear+w8a8 head 320x64"}
     int4 = plan.shapes["Int4Linear 192x64"]
     assert set(int4.timings_ms) == {"weight_only", "dense"} and all(ms > 0 for ms in int4.timings_ms["dense"].values())
@@ -138,3 +139,15 @@ def test_plan_cache_is_keyed_by_the_machine(tmp_path: Path) -> None:
     plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 fma", aten="AVX2"))
     plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 avx512_bf16"))
     assert len(list(tmp_path.glob("plan-*.json"))) == 2
+
+
+def test_w8a8_runs_only_where_the_int8_gemm_is_exact(tmp_path: Path) -> None:
+    """On plain AVX2 (no VNNI) oneDNN's int8 GEMM saturates 16-bit pair sums: the plan must not run
+    W8A8 there. This file runs on both kinds (scripts/test.sh), so both branches are exercised."""
+    model = TwoLayers()
+    plan = plan_kernels(model, activations=ActivationChoice(dtype=torch.float32, reason="test"), cache_dir=tmp_path)
+    if int8_gemm_is_exact():
+        assert model.lm_head.w8a8_from is not None and plan.fallbacks == ()
+    else:
+        assert model.lm_head.w8a8_from is None
+        assert any("torch._int_mm is not exact" in line for line in plan.fallbacks)
