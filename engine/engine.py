@@ -204,19 +204,13 @@ class Engine:
             self.kv.cache_full_blocks(seq)
             return []
         seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
-        if item.num_spec_tokens:
+        if item.num_spec_tokens:  # the decoder settles its drafts: verify, roll back what was rejected
             assert self.spec is not None
-            proposed = list(seq.spec_token_ids[: item.num_spec_tokens])
-            candidates = self.spec.verify(seq, proposed, rows, row_argmax)
-            accepted = len(candidates) - 1
-            seq.num_computed_tokens += accepted
-            self.kv.truncate(seq, seq.num_computed_tokens)
-            self.spec.rollback(seq, seq.num_computed_tokens)
+            candidates = self.spec.settle(item, rows, row_argmax, kv=self.kv)
         elif seq.params.greedy and row_argmax is not None:
             candidates = [row_argmax[0]]
         else:
             candidates = [sample_token(rows[0], seq.params, seq.generator)]
-        seq.spec_token_ids = []
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now

@@ -23,7 +23,10 @@ from decodeservice.engine.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
-    num_spec_tokens: int  # trailing draft tokens among them, to be verified
+    # Trailing draft tokens among them, to be verified: the first ones of seq.spec_token_ids. The
+    # scheduler only decides how many run (all, or none when the budget or the pool is short); the
+    # drafts themselves are the speculative decoder's (spec_decode/decoder.py).
+    num_spec_tokens: int
 
     @property
     def completes_prompt(self) -> bool:
@@ -88,12 +91,10 @@ class Scheduler:
             if num_new < seq.num_tokens + num_spec - seq.num_computed_tokens:
                 num_spec = 0  # a partial step never verifies drafts
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                seq.spec_token_ids = []
             while not self.kv.allocate_slots(seq, num_new):
                 if num_spec:  # drafts are optional: drop them before preempting anyone for them
                     num_new -= num_spec
                     num_spec = 0
-                    seq.spec_token_ids = []
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -127,7 +128,6 @@ class Scheduler:
                 seq.num_cached_tokens = 0
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            seq.spec_token_ids = []
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 seq.num_cached_prompt_tokens = num_cached
@@ -139,7 +139,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -39,7 +39,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
 
-    # Speculative decoding: draft tokens proposed for the next step, and the adaptive draft length.
+    # Speculative decoding, written by the speculative decoder only: the drafts proposed for the next
+    # step (the scheduler runs the first ScheduledSequence.num_spec_tokens of them) and the adaptive
+    # draft length.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_num_tokens: int = 0
 

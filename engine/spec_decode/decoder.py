@@ -1,14 +1,17 @@
 """Speculative decoding inside continuous batching: who drafts, how many, verification and counters.
 
-The engine calls, every step:
+The decoder owns speculation: the drafts, their distributions, every request's draft length and the
+rollback of rejected positions. The engine calls, every step:
 1. `propose(running, batch_size=...)` before scheduling: decode-phase sequences get up to k drafts in
    `seq.spec_token_ids`. k is set per request by `draft_length` from the request's recent acceptance
    and the batch size, so speculation fades out as the batch grows or the drafts stop landing; nobody
-   drafts when the batch is at least `disable_batch_size`;
+   drafts when the batch is at least `disable_batch_size`. The scheduler may then drop a sequence's
+   drafts (no budget or no blocks for them): `ScheduledSequence.num_spec_tokens` says how many run;
 2. the target scores the last token plus every draft in one forward;
-3. `verify(seq, proposed, rows)` per speculating sequence: accepted drafts plus one more token;
-4. `rollback(seq, num_computed)`: the proposer forgets rejected positions (the engine truncates the
-   target's blocks itself); `free(seq)` when a sequence ends.
+3. `settle(item, rows, kv=...)` per speculating sequence: the accepted drafts plus one more token
+   (`verify`); the rejected positions leave the target's blocks and the proposer's state, and the
+   drafts are spent;
+4. `free(seq)` when a sequence ends.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch
 
 from decodeservice.engine.config import SpeculativeConfig
 from decodeservice.engine.errors import ConfigError
+from decodeservice.engine.kv_cache import KVCacheManager
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.outputs import SpecDecodeStats
 from decodeservice.engine.sampler import target_probs
+from decodeservice.engine.scheduler import ScheduledSequence
 from decodeservice.engine.sequence import Sequence
 from decodeservice.engine.spec_decode.proposers import (
     DraftModelProposer,
@@ -189,6 +194,22 @@ class SpeculativeDecoder:
         return seq.spec_num_tokens
 
     # -- verification ------------------------------------------------------------------------------
+    def settle(self, item: ScheduledSequence, rows: torch.Tensor, row_argmax: list[int] | None, *,
+               kv: KVCacheManager) -> list[int]:
+        """After the target scored `item`'s drafts: the accepted drafts plus one more token. The
+        sequence's computed tokens then end after the last accepted draft; the target's blocks past
+        them (`kv`) and the proposer's state are rolled back, and the drafts are spent.
+
+        The caller has counted the step's other tokens already (the last sampled token)."""
+        seq = item.seq
+        proposed = seq.spec_token_ids[: item.num_spec_tokens]
+        tokens = self.verify(seq, proposed, rows, row_argmax)
+        seq.num_computed_tokens += len(tokens) - 1
+        kv.truncate(seq, seq.num_computed_tokens)
+        self.proposer.rollback(seq, seq.num_computed_tokens)
+        seq.spec_token_ids = []
+        return tokens
+
     def verify(self, seq: Sequence, proposed: list[int], rows: torch.Tensor, row_argmax: list[int] | None = None
                ) -> list[int]:
         """Accepted drafts plus one more token (corrected or bonus). rows: (k+1, V) target logits;
@@ -209,9 +230,6 @@ class SpeculativeDecoder:
             state.record(proposed=k, accepted=accepted)
             self._workload.record(proposed=k, accepted=accepted, decay=WORKLOAD_DECAY)
         return tokens
-
-    def rollback(self, seq: Sequence, num_tokens: int) -> None:
-        self.proposer.rollback(seq, num_tokens)
 
     def free(self, seq: Sequence) -> None:
         self._probs.pop(seq.request_id, None)
