@@ -158,10 +158,12 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from a GGUF's `tokenizer.*` fields (plain Python values, keyed by full name)."""
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise UnsupportedModelError(
-                f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') is"
-            )
+        if model not in ("gpt2", "llama"):
+            raise UnsupportedModelError(f"GGUF tokenizer model {model!r} is not supported; byte-level BPE "
+                                        "('gpt2') and sentencepiece BPE ('llama': Llama 2, Mistral 7B) are")
+        if model == "llama":
+            pieces = list(metadata["tokenizer.ggml.tokens"])
+            return cls._with_specials(metadata, _sentencepiece_backend(metadata), pieces, alphabet=None)
         pre = str(metadata.get("tokenizer.ggml.pre", "default"))
         if pre not in _PRE_TOKENIZER_SPLITS:
             raise UnsupportedModelError(
@@ -169,7 +171,6 @@ class Tokenizer:
             )
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         merges: list[str] = list(metadata.get("tokenizer.ggml.merges", []))
-        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
         if not merges:
             raise UnsupportedModelError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
 
@@ -201,16 +202,24 @@ class Tokenizer:
                 ]
             )
         backend.decoder = decoders.ByteLevel()
+        return cls._with_specials(metadata, backend, tokens, alphabet=alphabet)
 
+    @classmethod
+    def _with_specials(cls, metadata: Mapping[str, Any], backend: tokenizers.Tokenizer, tokens: list[str], *,
+                       alphabet: set[str] | None) -> Tokenizer:
+        """The GGUF's special tokens, BOS/EOS insertion and chat template, over a backend that has its vocabulary."""
+        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
         # Control tokens are matched whole in the text and skipped by decode(skip_special_tokens=True);
-        # one not spelled in the byte alphabet is a llama.cpp mislabel, left out like transformers does.
+        # in a byte-level vocabulary (`alphabet`), one not spelled in the byte alphabet is a llama.cpp
+        # mislabel, left out like transformers does.
         backend.add_special_tokens(
             [
                 AddedToken(tok, normalized=False, special=True)
                 for tok, kind in zip(tokens, token_types, strict=True)
-                if kind == _CONTROL and set(tok) <= alphabet
+                if kind == _CONTROL and (alphabet is None or set(tok) <= alphabet)
             ]
         )
+        vocab = backend.get_vocab(with_added_tokens=False)
         backend.add_tokens(
             [
                 AddedToken(tok, normalized=False, special=False)
@@ -229,7 +238,9 @@ class Tokenizer:
 
         bos = token("bos_token_id")
         eos = [t for t in (token("eos_token_id"), token("eot_token_id"), token("eom_token_id")) if t is not None]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        # llama.cpp (and transformers) add BOS to a sentencepiece vocabulary whose file does not say otherwise.
+        bos_default = metadata.get("tokenizer.ggml.model") == "llama"
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", bos_default)) and bos is not None
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and bool(eos)
         if add_bos or add_eos:
             # As HF's tokenizer.json does it: a post-processor that wraps the text in BOS/EOS.
@@ -289,6 +300,33 @@ class Tokenizer:
                 "pad_token": _token_content(config.get("pad_token")),
             },
         )
+
+
+def _sentencepiece_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """A GGUF `llama` vocabulary (sentencepiece BPE: '▁' for spaces, <0xNN> byte fallback) as transformers'
+    GGUF integration rebuilds it: LlamaTokenizer's BPE, with the file's merges or, where it has none (the
+    usual case), merges recovered from the token scores best-first (transformers' generate_merges)."""
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges: list[tuple[str, str]]
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [(left, right) for left, _, right in (m.partition(" ") for m in metadata["tokenizer.ggml.merges"])]
+    else:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise UnsupportedModelError("GGUF sentencepiece tokenizer has neither merges nor a score per token")
+        scored: list[tuple[str, str, float]] = []
+        for piece, score in dict(zip(tokens, scores, strict=True)).items():
+            splits = [(piece[:i], piece[i:], float(score)) for i in range(1, len(piece))
+                      if piece[:i] in vocab and piece[i:] in vocab]
+            scored.extend(sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+        scored.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+        merges = [(left, right) for left, right, _ in scored]
+    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    return backend
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -174,3 +174,46 @@ def test_llama3_rotary_frequencies_equal_transformers_at_full_size(tmp_path: Pat
     ours = torch.atan2(rotary.sin[1, half:], rotary.cos[1, :half])  # position 1: the angle is the frequency
     assert scale == 1.0
     torch.testing.assert_close(ours, theirs.float(), rtol=2e-6, atol=0)
+
+
+def write_sentencepiece_gguf(path: Path, *, add_bos: bool | None) -> Path:
+    """A tiny GGUF `llama` tokenizer as llama.cpp writes Llama 2's and Mistral 7B's: '▁' for spaces, a score
+    per token and no merges, <0xNN> byte tokens for what the vocabulary cannot spell."""
+    pieces = ["\u2581", "t", "h", "e", "l", "o", "\u2581t", "he", "ll", "\u2581the", "ell", "\u2581h", "\u2581hell"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("add_bos", [None, False])
+def test_gguf_sentencepiece_tokenizer_matches_transformers(tmp_path: Path, add_bos: bool | None) -> None:
+    """Llama 2 / Mistral 7B GGUFs: merges recovered from the scores, byte fallback, BOS unless the file says no."""
+    from transformers import AutoTokenizer
+
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf", add_bos=add_bos)
+    ours = read_gguf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the hell", " the  hell\n\thello", "<s>the</s> hell", "ünï 🙂", "tell", ""]:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    # merges applied (the first word gets its '▁'), bytes fell back, BOS only where the file did not say no
+    the, bos = ours.token_to_id("\u2581the"), [1] if add_bos is None else []
+    assert ours.encode("the") == bos + [the]
+    assert ours.encode("ü") == bos + [ours.token_to_id("\u2581"), 3 + 0xC3, 3 + 0xBC]
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
