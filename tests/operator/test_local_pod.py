@@ -1,0 +1,92 @@
+"""`decodectl up`: what the operator renders for the builtin engine starts, becomes Ready through its own
+probes and serves, as local processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from decodeservice.operator.local_pod import LocalPodError, plan_local_pod
+from decodeservice.operator.manifests import render
+from tests.operator.helpers import EXAMPLES, load
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_the_plan_is_the_rendered_pod_with_local_paths_and_ports(tmp_path: Path) -> None:
+    children = render(load(EXAMPLES / "cpu-smoke.yaml"))
+    pod = plan_local_pod(children, workdir=tmp_path, ports={8000: 18000, 8001: 18001}, host_env={"PATH": "/bin"})
+    engine, proxy = pod.containers
+    rendered = {c["name"]: c for c in children.deployment["spec"]["template"]["spec"]["containers"]}
+    assert engine.argv[:3] == [sys.executable, "-m", "decodeservice.cli.main"]
+    assert len(engine.argv) == 2 + len(rendered["engine"]["command"]) + len(rendered["engine"]["args"])
+    assert engine.argv[engine.argv.index("--port") + 1] == "18001" and "0.0.0.0" not in engine.argv
+    assert engine.argv[engine.argv.index("--max-num-seqs") + 1] == "8"  # the spec's, as rendered
+    assert proxy.argv[proxy.argv.index("--upstream") + 1] == "http://127.0.0.1:18001"
+    policy = Path(proxy.argv[proxy.argv.index("--policy") + 1])
+    assert policy == tmp_path / "volumes" / "policy" / "policy.yaml"
+    assert policy.read_text() == children.config_map["data"]["policy.yaml"]
+    assert engine.env["HOME"] == str(tmp_path / "volumes" / "tmp")
+    assert engine.env["HF_HOME"] == str(tmp_path / "volumes" / "cache" / "huggingface")
+    assert engine.startup is not None and engine.startup.url == "http://127.0.0.1:18001/health"
+    assert engine.readiness is not None and engine.readiness.url == "http://127.0.0.1:18001/ready"
+    assert proxy.readiness is not None and proxy.readiness.url == "http://127.0.0.1:18000/ready"
+
+
+def test_a_download_runs_as_its_init_container_with_local_paths(tmp_path: Path) -> None:
+    body = load(EXAMPLES / "cpu-smoke.yaml")
+    body["spec"]["model"] = {"uri": "hf://org/m@abc", "tokenSecret": {"name": "hf"}}
+    children = render(body)
+    with pytest.raises(LocalPodError, match="set HF_TOKEN in the environment"):
+        plan_local_pod(children, workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={})
+    pod = plan_local_pod(children, workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={"HF_TOKEN": "t"})
+    (fetch,) = pod.init
+    (download,) = json.loads(fetch.argv[-1])
+    assert download[5] == str(tmp_path / "volumes" / "model-cache" / "org--m@abc") and fetch.env["HF_TOKEN"] == "t"
+    body["spec"]["model"]["cache"] = {"claimName": "shared"}
+    with pytest.raises(LocalPodError, match="--volume model-cache=PATH"):
+        plan_local_pod(render(body), workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={"HF_TOKEN": "t"})
+
+
+def test_decodectl_up_serves_the_cpu_smoke_example(tmp_path: Path) -> None:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "decodeservice.cli.main", "up", "-f",
+                             str(EXAMPLES / "cpu-smoke.yaml"), "--port", str(port), "--workdir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready, lines = threading.Event(), []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready: "):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(timeout=300), "".join(lines[-30:])
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+        reader.join(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert code == 0, "".join(lines[-30:])
