@@ -262,7 +262,7 @@ def test_quantized_paths_keep_biases_and_norms(saved: dict[str, tuple[Path, Any]
     activations: biases and q/k norms stay dense and in place (dropping one moves logits by 1-3 on average
     here, 5-12 at most)."""
     ids = torch.tensor(PROMPT + list(range(50, 90)))
-    for name in BY_NAME:
+    for name in ("qwen2", "qwen3"):  # what the quantized path adds for them; Llama's own is test_quantized.py's
         loaded = load_model(saved[name][0])
         model = our_model(loaded, quantization=weight_format)
         attn = model.decoder_layers()[0].self_attn
