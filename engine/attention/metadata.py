@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from decodeservice.engine.attention.short_group import ShortGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,14 +41,12 @@ class SequenceSpan:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionMetadata:
+    """What every backend reads. A backend's `plan()` returns its own subclass with what it derives
+    once per step for every layer (paged_views.PagedViewsMetadata, flex.FlexMetadata)."""
+
     slot_mapping: torch.Tensor  # (N,) pool slot each new token's K/V is written to
     spans: tuple[SequenceSpan, ...]  # in packed order, covering tokens 0 .. N - 1
     block_size: int
-    # Short sequences batched into one padded call (CPU backend); built once per step, used per layer.
-    short_group: ShortGroup | None = None
-    # The step's only sequence decodes one token over keys in one run of slots (a single stream's
-    # step): planned once so that every layer reads it in a few calls (CPU backend).
-    single_run: SlotRun | None = None
 
 
 def slot_of(block_ids: Seq[int], position: int, block_size: int) -> int:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from decodeservice.engine.attention import decode_matmul
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
-from decodeservice.engine.attention.short_group import MAX_CONTEXT, build_short_group
+from decodeservice.engine.attention.short_group import MAX_CONTEXT, ShortGroup, build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Beyond this many runs of slots a sequence's cached keys are gathered into one piece (see below).
@@ -126,6 +126,17 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
     return _merge(pieces, q.dtype)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedViewsMetadata(AttentionMetadata):
+    """AttentionMetadata plus what the CPU backend's plan() built once for every layer of the step."""
+
+    # Short sequences batched into one padded call.
+    short_group: ShortGroup | None = None
+    # The step's only sequence decodes one token over keys in one run of slots (a single stream's
+    # step), read in a few calls.
+    single_run: SlotRun | None = None
+
+
 class PagedViewsBackend:
     """The CPU backend. Sequences are read in place one by one, except that short ones share one
     padded call (short_group.py: the copy is cheaper there than a call per sequence) and that long
@@ -136,14 +147,15 @@ class PagedViewsBackend:
     def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT) -> None:
         self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
 
-    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> AttentionMetadata:
+    def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
         # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
         # below short_group.MAX_CONTEXT, as tests do).
         gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
         max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         group = build_short_group(meta.spans, block_size=meta.block_size, device=meta.slot_mapping.device,
                                   dtype=dtype, max_context=max_context)
-        return dataclasses.replace(meta, short_group=group, single_run=self._single_run(meta, dtype))
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        return PagedViewsMetadata(**fields, short_group=group, single_run=self._single_run(meta, dtype))
 
     def _single_run(self, meta: AttentionMetadata, dtype: torch.dtype) -> SlotRun | None:
         """The run a single stream's one-token decode reads (_single_run_decode), else None."""
@@ -156,14 +168,17 @@ class PagedViewsBackend:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.single_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
-            return _single_run_decode(q, k_cache, v_cache, meta.single_run)
+        # Unplanned metadata (tests, benchmarks) reads every sequence on its own.
+        planned = meta if isinstance(meta, PagedViewsMetadata) else None
+        single_run = planned.single_run if planned is not None else None
+        if single_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+            return _single_run_decode(q, k_cache, v_cache, single_run)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])  # (num_slots, Hkv, D)
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         if len(meta.spans) == 1:
             return attend_span(q, k, v, k_flat, v_flat, meta.spans[0], block_size=meta.block_size,
                                matmul_from=self.matmul_from)
-        group = meta.short_group
+        group = planned.short_group if planned is not None else None
         out = torch.empty_like(q)  # (N, H, D)
         if group is not None:
             attended = group.attend(q, k_cache, v_cache)  # (B, Q, H, D)
