@@ -20,6 +20,7 @@ from typing import Any
 from pydantic.alias_generators import to_camel
 
 from decodeservice.engine.config import EngineConfig, KnobField, SpeculativeConfig, knob_fields
+from decodeservice.operator.cel_rules import CEL_RULES
 
 # The operator's names for the knobs' choices (enums in operator/engine_knobs.py).
 ENUM_NAMES = {"quantization": "Quantization", "method": "SpecMethod"}
@@ -61,8 +62,6 @@ def knob_schema(kf: KnobField) -> dict[str, Any]:
 
 
 def _rules(path: tuple[str, ...]) -> list[dict[str, str]]:
-    from decodeservice.operator.spec import CEL_RULES
-
     return [{"rule": r.rule, "message": r.message} for r in CEL_RULES if r.path == path]
 
 

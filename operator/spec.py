@@ -5,22 +5,23 @@ operator must not trust that the API server enforced them (an older server, a te
 render` with no server at all). So every rule is re-checked here, and the rules that need knowledge the
 schema lacks (which models the image bundles, which engine supports which feature) live only here.
 
-Cross-field rules are written twice on purpose: as CEL text in the CRD and as a Python predicate in
-`CEL_RULES` below, next to its CEL twin. tests/operator/test_crd.py checks that the CRD carries exactly
-these rule strings and that a small CEL-to-Python evaluator agrees with each predicate on the examples
-and on deliberately invalid manifests.
+Each cross-field rule is one entry of `CEL_RULES` (operator/cel_rules.py): its CEL text and its Python
+twin side by side. scripts/generate_crd.py copies the spec.engine ones into the CRD; for the rest,
+tests/operator/test_crd.py checks that the CRD carries exactly these rule strings, and for every rule that
+a CEL evaluator agrees with its twin on the examples and on deliberately invalid manifests.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, ValidationError
 
+from decodeservice.operator.cel_rules import CEL_RULES as CEL_RULES  # re-exported: tests
 from decodeservice.operator.engine_knobs import EngineKnobs, Quantization, SpeculativeKnobs
 from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
 from decodeservice.operator.errors import InvalidSpecError
@@ -177,63 +178,6 @@ class DecodeServiceSpec(_Model):
     pod: PodSpec = Field(default_factory=lambda: PodSpec.model_validate({}))
     # Kept as the raw mapping here; `policy` below validates it with the proxy's own model.
     policies: dict[str, Any] = Field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CelRule:
-    """One `x-kubernetes-validations` rule: where it sits, its CEL text, and its Python twin."""
-
-    path: tuple[str, ...]  # property names from `spec` down to the object the rule is attached to
-    rule: str
-    message: str
-    check: Callable[[Mapping[str, Any]], bool]  # takes the (defaulted) object at `path`
-
-
-CEL_RULES: tuple[CelRule, ...] = (
-    CelRule(path=("engine",), rule="!(has(self.kvCacheGiB) && has(self.gpuMemoryFraction))",
-            message="set kvCacheGiB or gpuMemoryFraction, not both",
-            check=lambda o: not ("kvCacheGiB" in o and "gpuMemoryFraction" in o)),
-    CelRule(path=("engine", "speculative"), rule="self.method != 'draft' || has(self.draftModel)",
-            message="draftModel is required when method is draft",
-            check=lambda o: o.get("method") != "draft" or "draftModel" in o),
-    CelRule(path=("engine", "speculative"), rule="!has(self.draftModel) || self.method == 'draft'",
-            message="draftModel is only used when method is draft",
-            check=lambda o: "draftModel" not in o or o.get("method") == "draft"),
-    CelRule(path=("autoscaling",), rule="self.minReplicas <= self.maxReplicas",
-            message="minReplicas must be <= maxReplicas",
-            check=lambda o: int(o.get("minReplicas", 1)) <= int(o.get("maxReplicas", 1))),
-    CelRule(path=("autoscaling",),
-            rule="!has(self.scaleDownThreshold) || !has(self.scaleUpThreshold) "
-                 "|| self.scaleDownThreshold < self.scaleUpThreshold",
-            message="scaleDownThreshold must be < scaleUpThreshold",
-            check=lambda o: ("scaleDownThreshold" not in o or "scaleUpThreshold" not in o
-                             or float(o["scaleDownThreshold"]) < float(o["scaleUpThreshold"]))),
-    CelRule(path=("autoscaling",),
-            rule="!has(self.panicWindowSeconds) || !has(self.stableWindowSeconds) "
-                 "|| self.panicWindowSeconds <= self.stableWindowSeconds",
-            message="panicWindowSeconds must be <= stableWindowSeconds",
-            check=lambda o: ("panicWindowSeconds" not in o or "stableWindowSeconds" not in o
-                             or float(o["panicWindowSeconds"]) <= float(o["stableWindowSeconds"]))),
-    CelRule(path=(), rule="self.engine.kind != 'vllm' || self.engine.speculative.method != 'self_draft'",
-            message="the vllm engine does not support self_draft speculation",
-            check=lambda o: o["engine"]["kind"] != "vllm" or o["engine"]["speculative"]["method"] != "self_draft"),
-    CelRule(path=(), rule="self.engine.kind != 'vllm' || !self.model.uri.startsWith('bundled://')",
-            message="bundled:// models are served by the builtin engine only",
-            check=lambda o: o["engine"]["kind"] != "vllm" or not str(o["model"]["uri"]).startswith("bundled://")),
-    CelRule(path=("routing", "inferencePool"), rule="!self.enabled || has(self.endpointPickerRef)",
-            message="endpointPickerRef is required when the inference pool is enabled",
-            check=lambda o: not o.get("enabled", False) or "endpointPickerRef" in o),
-    # Upstream's own rule on InferencePool.spec.endpointPickerRef, checked here before the pool is rendered.
-    CelRule(path=("routing", "inferencePool", "endpointPickerRef"), rule="self.kind != 'Service' || has(self.port)",
-            message="port is required when kind is 'Service' or unspecified (defaults to 'Service')",
-            check=lambda o: o.get("kind", "Service") != "Service" or "port" in o),
-    CelRule(path=("rollout",), rule="self.maxSurge > 0 || self.maxUnavailable > 0",
-            message="maxSurge and maxUnavailable cannot both be 0 (the rollout could never replace a pod)",
-            check=lambda o: int(o.get("maxSurge", 1)) > 0 or int(o.get("maxUnavailable", 0)) > 0),
-    CelRule(path=("policies", "outputLength"), rule="self.defaultMaxTokens <= self.maxOutputTokens",
-            message="defaultMaxTokens must be <= maxOutputTokens",
-            check=lambda o: int(o.get("defaultMaxTokens", 256)) <= int(o.get("maxOutputTokens", 2048))),
-)
 
 
 @dataclass(frozen=True, kw_only=True)
