@@ -298,7 +298,8 @@ class Engine:
             param_list = [params or SamplingParams()] * len(prompt_list)
         if len(param_list) != len(prompt_list):
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        encoded = [self.encode_prompt(p) for p in prompt_list]  # all checked before any is queued
+        ids = [self.add_request(p, sp) for p, sp in zip(encoded, param_list, strict=True)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
             for out in self.step():

@@ -62,6 +62,10 @@ def test_an_encoded_prompt_is_checked_once_where_it_is_made(tiny: ModelBundle) -
     request_id = engine.add_request(encoded, SamplingParams(max_tokens=3, temperature=0.0))
     finished = [o for _ in range(10) for o in engine.step() if o.finished]
     assert [(o.request_id, o.token_ids) for o in finished] == [(request_id, out.token_ids)]
+    # generate checks every prompt before it queues any: a bad one leaves nothing running.
+    with pytest.raises(InvalidRequestError):
+        engine.generate([[1, 2, 3], []], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
 
 
 async def test_async_engine_rejects_a_bad_prompt_in_the_callers_task(tiny: ModelBundle) -> None:
