@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -89,6 +90,19 @@ def test_stop_seed_and_logprobs(srv: RunningServer, client: openai.OpenAI, bundl
     assert content is not None and len(content) == 4
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0.0 for t in content)
     assert "".join(t.token for t in content) == chat.choices[0].message.content
+
+
+def test_streamed_logprobs_are_the_whole_answers(client: openai.OpenAI) -> None:
+    # The stream forwards each step's new logprobs; together they are the whole response's.
+    args: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    assert whole.logprobs is not None and whole.logprobs.tokens is not None and len(whole.logprobs.tokens) == 8
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens or []] == whole.logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset or []] == whole.logprobs.text_offset
+    assert [x for lp in streamed for x in lp.token_logprobs or []] == pytest.approx(whole.logprobs.token_logprobs)
+    assert "".join(c.text for c in chunks) == whole.text == "".join(whole.logprobs.tokens)
 
 
 async def test_sixteen_concurrent_streams(srv: RunningServer) -> None:
