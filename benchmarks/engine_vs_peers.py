@@ -178,14 +178,6 @@ def hf_variant(prompts: dict[str, str], args: argparse.Namespace) -> dict[str, A
     for key in ("summarize", "chat"):
         result[f"decode_tokens_per_s_{key}"] = statistics.median(
             two_clocks(prompts[key], args.decode_tokens)[1] for _ in range(args.repeats))
-    if args.streams > 1:
-        from llama_cpp_batched import aggregate_tokens_per_s
-
-        # Single-stream serving's peak, before the batched run's second model and 32-sequence context.
-        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        batched_run = aggregate_tokens_per_s(path, [f"{i}: {prompts['chat']}" for i in range(args.streams)],
-                                             decode_tokens=args.decode_tokens, threads=args.threads)
-        result[f"aggregate_{args.streams}_streams_tokens_per_s"] = batched_run["aggregate_tokens_per_s"]
     return result
 
 
