@@ -17,6 +17,7 @@ SPECULATIVE_DEST = "speculative_"  # the speculative group's options land in arg
 def register(subparsers: Any) -> None:
     # Every engine option is generated from the knob table (engine/config.py), torch-free: its flag, type,
     # default, bounds and help live there once; the CRD and the operator's args are generated from it too.
+    from decodeservice.cli.common import add_seconds_option, subcommand_kwargs
     from decodeservice.engine.config import EngineConfig, SpeculativeConfig, field_default
     from decodeservice.engine.server.settings import ServerSettings
 
@@ -25,7 +26,7 @@ def register(subparsers: Any) -> None:
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "engine", help="serve a model over the OpenAI API (completions, chat, /metrics, /health, /ready)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, **subcommand_kwargs(),
     )
     parser.add_argument("--model", default="smollm2-135m", help="known model name, .gguf file or HF model folder")
     parser.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
@@ -35,9 +36,8 @@ def register(subparsers: Any) -> None:
     add_knob_options(parser.add_argument_group("speculative decoding"), SpeculativeConfig, dest_prefix=SPECULATIVE_DEST)
     parser.add_argument("--max-body-bytes", type=int, default=server("max_body_bytes"),
                         help="request body limit in bytes (default %(default)s)")
-    parser.add_argument("--drain-timeout", type=float, default=server("drain_timeout_s"),
-                        help="seconds in-flight requests get to finish after SIGTERM (default %(default)s)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_seconds_option(parser, "--drain-timeout-seconds", default=server("drain_timeout_s"),
+                       help="how long in-flight requests get to finish after SIGTERM", deprecated=("--drain-timeout",))
     parser.set_defaults(func=run)
 
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         # Check everything a user can get wrong before listening: a bad flag is exit 2, not a crash loop.
         EngineConfig(**{**kwargs, "speculative": SpeculativeConfig.parse(kwargs.get("speculative"))})
         settings = ServerSettings(served_model_name=args.served_model_name or args.model,
-                                  max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
+                                  max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_seconds)
         model_path = resolve_model_path(args.model)
         if args.speculative_draft_model:
             resolve_model_path(args.speculative_draft_model)  # a typo fails here, not after minutes of loading

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from decodeservice.cli.common import add_seconds_option, subcommand_kwargs
 from decodeservice.cli.main import UsageError
 
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "operator", help="reconcile DecodeServices into engine + proxy pods",
-        description="Run the DecodeService operator against the cluster in the kubeconfig or service account.")
+        description="Run the DecodeService operator against the cluster in the kubeconfig or service account.",
+        **subcommand_kwargs())
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
                        help="watch this namespace (repeatable; globs like 'team-*' work)")
@@ -23,10 +25,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--cuda-image", default=None, help="image of builtin engines with resources.gpus > 0 "
                         "(CUDA torch; default: built-in)")
     parser.add_argument("--vllm-image", default=None, help="default image for engine.kind=vllm")
-    parser.add_argument("--resync-seconds", type=float, default=60.0, help="drift repair interval (default 60)")
-    parser.add_argument("--drain-seconds", type=int, default=10, help="pods' preStop drain (default 10)")
-    parser.add_argument("--autoscale-interval", type=float, default=5.0, metavar="SECONDS",
-                        help="builtin autoscaler's tick when a DecodeService sets no intervalSeconds (default 5)")
+    add_seconds_option(parser, "--resync-seconds", default=60.0, help="drift repair interval")
+    add_seconds_option(parser, "--drain-seconds", default=10, type=int, help="pods' preStop drain")
+    add_seconds_option(parser, "--autoscale-interval-seconds", default=5.0, deprecated=("--autoscale-interval",),
+                       help="builtin autoscaler's tick when a DecodeService sets no intervalSeconds")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.set_defaults(func=run)
 
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         build_kwargs["vllm_image"] = args.vllm_image
     try:
         config = OperatorConfig(build=BuildOptions(**build_kwargs), resync_seconds=args.resync_seconds,
-                                autoscaling=AutoscalingConfig(interval_seconds=args.autoscale_interval))
+                                autoscaling=AutoscalingConfig(interval_seconds=args.autoscale_interval_seconds))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.liveness is not None and not args.liveness.startswith(("http://", "https://")):

@@ -6,11 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from decodeservice.cli.common import add_seconds_option, subcommand_kwargs
+
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "proxy", help="run the policy proxy in front of an engine",
         description="Run the DecodeService sidecar proxy (Starlette on uvicorn) in front of an engine.",
+        **subcommand_kwargs(),
     )
     parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8001")
     parser.add_argument("--engine-kind", choices=["builtin", "vllm"], default="builtin",
@@ -24,9 +27,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--policy", type=Path, help="policy.yaml (default: every policy at its default)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for counting prompt tokens locally "
                         "(default: the upstream's POST /tokenize)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds SIGTERM waits for in-flight requests (default 30)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_seconds_option(parser, "--drain-timeout-seconds", default=30.0,
+                       help="how long SIGTERM waits for in-flight requests", deprecated=("--drain-timeout",))
     parser.set_defaults(func=run)
 
 
@@ -62,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
                          lifecycle=lifecycle, engine_kind=args.engine_kind, upstream_health=health)
     except Exception as exc:  # a tokenizer file that does not load
         raise UsageError(f"cannot start the proxy: {exc}") from None
-    serve(app, lifecycle=lifecycle, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+    serve(app, lifecycle=lifecycle, host=args.host, port=args.port, drain_timeout=args.drain_timeout_seconds,
           log_level=args.log_level)
     return 0

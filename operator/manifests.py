@@ -39,7 +39,7 @@ MANAGED_BY = "decodeservice-operator"
 POLICY_HASH_ANNOTATION = "decode.dev/policy-hash"
 RUN_AS = 10001  # the image's non-root user (see Dockerfile)
 PROXY_SHUTDOWN_SECONDS = 5  # uvicorn's timeout_graceful_shutdown in proxy/serve.py
-ENGINE_DRAIN_SECONDS = 30  # `decodectl engine --drain-timeout` default (cli/engine_cmd.py)
+ENGINE_DRAIN_SECONDS = 30  # `decodectl engine --drain-timeout-seconds` default (cli/engine_cmd.py)
 
 # The Pod Security Standards "restricted" profile, on every container.
 CONTAINER_SECURITY: dict[str, Any] = {
@@ -198,7 +198,7 @@ def _proxy_container(v: ValidatedSpec, opts: BuildOptions) -> dict[str, Any]:
         "args": ["proxy", "--upstream", f"http://127.0.0.1:{ENGINE_PORT}",
                  "--engine-kind", v.spec.engine.kind.value, "--host", "0.0.0.0",
                  "--port", str(PROXY_PORT), "--policy", f"{POLICY_DIR}/policy.yaml",
-                 "--drain-timeout", str(opts.proxy_drain_timeout_seconds)],
+                 "--drain-timeout-seconds", str(opts.proxy_drain_timeout_seconds)],
         "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},

@@ -113,7 +113,7 @@ def _read_port(proc: subprocess.Popen[str], timeout: float) -> int:
 def test_sigterm_drains_then_exits_zero() -> None:
     cmd = [sys.executable, "-P", "-m", "decodeservice.cli.main", "engine", "--model", MODEL, "--host", "127.0.0.1",
            "--port", "0", "--kv-cache-gib", "0.25", "--max-model-len", "2048", "--num-threads", "2",
-           "--drain-timeout", "120"]
+           "--drain-timeout-seconds", "120"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -37,7 +37,7 @@ def test_unset_knobs_keep_the_decision_sides_defaults() -> None:
     for name in ("stable_window_seconds", "panic_window_seconds", "scale_up_threshold", "scale_down_threshold",
                  "kv_usage_threshold", "waiting_threshold"):
         assert getattr(s, name) == getattr(defaults, name), name
-    assert s.interval_seconds == 5.0  # the operator's default (decodectl operator --autoscale-interval)
+    assert s.interval_seconds == 5.0  # the operator's default (decodectl operator --autoscale-interval-seconds)
 
 
 def test_a_combination_the_settings_refuse_is_an_invalid_spec() -> None:

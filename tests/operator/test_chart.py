@@ -54,7 +54,7 @@ def test_default_values_run_cluster_wide_with_the_default_image(chart: helm_pyth
     args = container["args"]
     assert args[args.index("--image") + 1] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}"
     assert args[args.index("--cuda-image") + 1] == f"ghcr.io/decodeservice/decodeservice:{chart.metadata['appVersion']}-cuda"
-    assert container["args"][container["args"].index("--autoscale-interval") + 1] == "5"
+    assert container["args"][container["args"].index("--autoscale-interval-seconds") + 1] == "5"
     assert {d["kind"] for d in docs} >= {"ClusterRole", "ClusterRoleBinding"}
     assert not any(d["kind"] == "ServiceMonitor" for d in docs)
 

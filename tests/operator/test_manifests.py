@@ -211,7 +211,7 @@ def test_termination_grace_covers_the_proxy_and_engine_drains(options: BuildOpti
     children = render(minimal(), options=options)
     pod = children.deployment["spec"]["template"]["spec"]
     proxy, engine = container(children, "proxy"), container(children, "engine")
-    proxy_drain = int(flag(proxy["args"], "--drain-timeout") or 0)
+    proxy_drain = int(flag(proxy["args"], "--drain-timeout-seconds") or 0)
     assert proxy_drain == options.proxy_drain_timeout_seconds
     proxy_needs = proxy["lifecycle"]["preStop"]["sleep"]["seconds"] + proxy_drain + PROXY_SHUTDOWN_SECONDS
     engine_needs = engine["lifecycle"]["preStop"]["sleep"]["seconds"] + ENGINE_DRAIN_SECONDS + PROXY_SHUTDOWN_SECONDS

@@ -44,6 +44,6 @@ def test_render_bad_input_exits_2_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_operator_rejects_a_bad_autoscale_interval_before_starting() -> None:
-    result = decodectl("operator", "--autoscale-interval", "0")
+    result = decodectl("operator", "--autoscale-interval-seconds", "0")
     assert result.returncode == 2
     assert "interval_seconds must be within [0.1, 300]" in result.stderr
