@@ -42,6 +42,11 @@ log = logging.getLogger("decodeservice.engine.kernels")
 
 DENSE_LADDER = (16, 32, 64, 128, 256, 512)  # prompt chunks reach max_num_batched_tokens (512 by default)
 W8A8_LADDER = (2, 4, 6, 8, 12, 16, 32, 64)
+# The dense path is for prompt chunks only: a decode batch or a verify (compiled_step.MAX_ROWS rows at
+# most, tested to stay below this) keeps the weight-only kernel whatever its size, so that a stream's
+# greedy tokens do not change with the batch it decodes in and speculation stays exact against plain
+# decoding. Measured crossovers (64-256 rows) sit near this floor anyway.
+DENSE_MIN_ROWS = 65
 HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
 # Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
 # outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
@@ -51,7 +56,7 @@ CHECK_ROWS = 64  # output rows compared per module, spread over the matrix
 # bf16 measures ~0.2x fp32 here (AMX), emulated ~10x (oneDNN capped at AVX2), and a loaded 2-core machine
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: dense thresholds floored at DENSE_MIN_ROWS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +200,8 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool) -> ShapePlan
         if module.has_w8a8:
             timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
             w8a8_from = _first_win(timings["w8a8"], timings["weight_only_small"])
-    return ShapePlan(dense_from=_first_win(timings["dense"], timings["weight_only"]), w8a8_from=w8a8_from,
+    dense_from = _first_win(timings["dense"], timings["weight_only"])
+    return ShapePlan(dense_from=None if dense_from is None else max(dense_from, DENSE_MIN_ROWS), w8a8_from=w8a8_from,
                      timings_ms=timings)
 
 

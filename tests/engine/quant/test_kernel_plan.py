@@ -152,3 +152,13 @@ def test_w8a8_runs_only_where_the_int8_gemm_is_exact(tmp_path: Path) -> None:
     else:
         assert model.lm_head.w8a8_from is None
         assert any("torch._int_mm is not exact" in line for line in plan.fallbacks)
+
+
+def test_the_dense_path_never_takes_a_decode_step(tmp_path: Path) -> None:
+    from decodeservice.engine.compiled_step import MAX_ROWS
+    from decodeservice.engine.quant.kernel_plan import DENSE_MIN_ROWS
+
+    assert DENSE_MIN_ROWS > MAX_ROWS
+    plan = plan_kernels(TwoLayers(), activations=ActivationChoice(dtype=torch.float32, reason="test"),
+                        cache_dir=tmp_path)
+    assert all(p.dense_from is None or p.dense_from >= DENSE_MIN_ROWS for p in plan.shapes.values())
