@@ -31,9 +31,11 @@ IGNORE_PATTERNS = ("original/*",)
 # Downloads a Hugging Face snapshot once: a finished download leaves a marker, and a pod that finds it
 # (the model cache is a PVC the service's pods share) does not download again. Arguments come through
 # argv so no user text is pasted into code.
-HF_DOWNLOAD = (
+_HF_ARGS = (
     "import json, pathlib, sys\n"
     "repo, revision, target = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])\n"
+)
+HF_DOWNLOAD = _HF_ARGS + (
     f"done = target / {COMPLETE_MARKER!r}\n"
     "if done.is_file() and done.read_text() == revision:\n"
     "    print(f'{repo}@{revision}: in the model cache', flush=True)\n"
@@ -42,6 +44,24 @@ HF_DOWNLOAD = (
     "snapshot_download(repo_id=repo, revision=revision, local_dir=target,\n"
     "                  allow_patterns=json.loads(sys.argv[4]), ignore_patterns=json.loads(sys.argv[5]))\n"
     "done.write_text(revision)\n"
+)
+# The builtin engine's check, run for the model and the draft before either's weights: config.json alone
+# (a few KB) is fetched, and a model the engine cannot run stops the init container with the engine's own
+# message (the families it runs, and engine.kind: vllm for the rest) instead of a multi-GB download that
+# crash-loops at load. It runs on a cached snapshot too (a vLLM service sharing the cache PVC may have
+# downloaded it). The pod runs the project's image: the check is decodeservice.engine.loader.architectures
+# itself, which imports no torch. vLLM gets no such check: it serves far more architectures.
+HF_CONFIG_CHECK = _HF_ARGS + (
+    "config = target / 'config.json'\n"
+    "if not config.is_file():\n"
+    "    from huggingface_hub import hf_hub_download\n"
+    "    hf_hub_download(repo_id=repo, filename='config.json', revision=revision, local_dir=target)\n"
+    "from decodeservice.engine.errors import UnsupportedModelError\n"
+    "from decodeservice.engine.loader.architectures import check_hf_config\n"
+    "try:\n"
+    "    check_hf_config(json.loads(config.read_text()), source=f'hf://{repo}@{revision} config.json')\n"
+    "except UnsupportedModelError as exc:\n"
+    "    sys.exit(str(exc))\n"  # exit status 1, the message on stderr
 )
 
 
@@ -55,6 +75,7 @@ class ModelPlan:
     mounts: list[dict[str, Any]] = field(default_factory=list)
     downloads: list[ModelSource] = field(default_factory=list)  # hf sources for the init container
     allow_patterns: tuple[str, ...] = BUILTIN_PATTERNS
+    check_config: bool = True  # the builtin engine's config.json check before any weights (HF_CONFIG_CHECK)
     # The engine's ephemeral-storage request: the emptyDir's size limit (None with a PVC cache or no download).
     ephemeral_request: str | None = None
 
@@ -94,16 +115,20 @@ def plan_models(v: ValidatedSpec) -> ModelPlan:
             volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": cache.size_limit}})
             ephemeral = cache.size_limit
         mounts.append({"name": "model-cache", "mountPath": f"{MODELS_DIR}/hf", "readOnly": True})
-    patterns = VLLM_PATTERNS if v.spec.engine.kind is EngineKind.VLLM else BUILTIN_PATTERNS
+    builtin = v.spec.engine.kind is EngineKind.BUILTIN
     return ModelPlan(model_arg=model_arg, draft_arg=draft_arg, volumes=volumes, mounts=mounts, downloads=downloads,
-                     allow_patterns=patterns, ephemeral_request=ephemeral)
+                     allow_patterns=BUILTIN_PATTERNS if builtin else VLLM_PATTERNS, check_config=builtin,
+                     ephemeral_request=ephemeral)
 
 
 def download_commands(plan: ModelPlan) -> list[list[str]]:
-    """One `python -c` per hf snapshot; the init container runs them in order."""
+    """One `python -c` per hf snapshot (the model's, then the draft's), which the init container runs in
+    order; for the builtin engine, each one's config.json check comes first, before any weights."""
     allow, ignore = json.dumps(list(plan.allow_patterns)), json.dumps(list(IGNORE_PATTERNS))
-    return [["python", "-c", HF_DOWNLOAD, s.name, s.revision or "main", _hf_dir(s), allow, ignore]
-            for s in plan.downloads]
+    checks = [["python", "-c", HF_CONFIG_CHECK, s.name, s.revision or "main", _hf_dir(s)]
+              for s in plan.downloads] if plan.check_config else []
+    return checks + [["python", "-c", HF_DOWNLOAD, s.name, s.revision or "main", _hf_dir(s), allow, ignore]
+                     for s in plan.downloads]
 
 
 def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:

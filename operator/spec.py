@@ -21,6 +21,11 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from decodeservice.engine.loader.architectures import (
+    SUPPORTED_GGUF_ARCHITECTURES,
+    SUPPORTED_MODEL_TYPES,
+    unsupported_model_message,
+)
 from decodeservice.operator.cel_rules import CEL_RULES as CEL_RULES  # re-exported: tests
 from decodeservice.operator.engine_knobs import EngineKnobs, Quantization, SpeculativeKnobs
 from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
@@ -75,9 +80,14 @@ class ModelCacheSpec(_Model):
     size_limit: str = Field("50Gi", pattern=QUANTITY_PATTERN)
 
 
+# An HF config.json model_type (llama, qwen2, gemma3_text) or a GGUF general.architecture (command-r).
+ARCHITECTURE_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
+
+
 class ModelSpec(_Model):
     uri: str = Field(pattern=MODEL_URI_PATTERN)
     served_name: str | None = Field(None, min_length=1, max_length=128)
+    architecture: str | None = Field(None, min_length=1, max_length=64, pattern=ARCHITECTURE_PATTERN)
     token_secret: TokenSecret | None = None
     cache: ModelCacheSpec = Field(default_factory=lambda: ModelCacheSpec.model_validate({}))
 
@@ -286,9 +296,28 @@ def _check_sources(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelS
             raise InvalidSpecError(f"spec.engine.env[{i}].name: {name} is given twice")
 
 
+def _check_architecture(spec: DecodeServiceSpec) -> None:
+    """A model the builtin engine cannot run is refused here, before a pod downloads its weights.
+
+    What the operator can know without a download: a bundled:// model is one of the engine's own registry
+    (engine/loader/registry.py), which ships only models the engine runs, so it needs no check. An hf://,
+    pvc:// or file:// model is opaque until its config.json is read, so the spec may name its architecture
+    (model.architecture) and that hint is checked here; without one, the pod's init container checks an
+    hf:// config.json before the weights (engines.HF_CONFIG_CHECK), and the engine checks a pvc:// or
+    file:// model at start-up, which downloads nothing. The supported list is the engine's
+    (SUPPORTED_MODEL_TYPES), not a CEL enum in the CRD: it belongs to the image, which outlives a CRD
+    install. vLLM serves far more architectures, so it is never refused by name."""
+    architecture = spec.model.architecture
+    if spec.engine.kind is not EngineKind.BUILTIN or architecture is None:
+        return
+    if architecture not in (*SUPPORTED_MODEL_TYPES, *SUPPORTED_GGUF_ARCHITECTURES):
+        raise InvalidSpecError("spec.model.architecture: " + unsupported_model_message(repr(architecture)))
+
+
 def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSource | None) -> None:
     """Rules that need to know what each engine supports; the schema cannot express these."""
     _check_sources(spec, model=model, draft=draft)
+    _check_architecture(spec)
     engine = spec.engine
     if draft is not None and draft.kind == "pvc" and model.kind == "pvc" and draft.claim != model.claim:
         raise InvalidSpecError("spec.engine.speculative.draftModel: a pvc:// draft must live on the model's claim "

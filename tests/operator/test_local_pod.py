@@ -54,8 +54,9 @@ def test_a_download_runs_as_its_init_container_with_local_paths(tmp_path: Path) 
         plan_local_pod(children, workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={})
     pod = plan_local_pod(children, workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={"HF_TOKEN": "t"})
     (fetch,) = pod.init
-    (download,) = json.loads(fetch.argv[-1])
-    assert download[5] == str(tmp_path / "volumes" / "model-cache" / "org--m@abc") and fetch.env["HF_TOKEN"] == "t"
+    check, download = json.loads(fetch.argv[-1])  # the builtin engine's config.json check, then the snapshot
+    local = str(tmp_path / "volumes" / "model-cache" / "org--m@abc")
+    assert check[5] == download[5] == local and fetch.env["HF_TOKEN"] == "t"
     body["spec"]["model"]["cache"] = {"claimName": "shared"}
     with pytest.raises(LocalPodError, match="--volume model-cache=PATH"):
         plan_local_pod(render(body), workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={"HF_TOKEN": "t"})

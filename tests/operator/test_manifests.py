@@ -81,9 +81,10 @@ def test_gpu_speculative_downloads_both_models_and_sets_gpu_limits() -> None:
     assert flag(engine["args"], "--draft-model") == "/models/hf/Qwen--Qwen2.5-0.5B-Instruct@main"
     fetch = container(children, "fetch-model")
     downloads = json.loads(fetch["command"][-1])
+    # Both config.json checks (the builtin engine's), then both snapshots.
     assert [d[3:6] for d in downloads] == [
         ["Qwen/Qwen2.5-1.5B-Instruct", "main", "/models/hf/Qwen--Qwen2.5-1.5B-Instruct@main"],
-        ["Qwen/Qwen2.5-0.5B-Instruct", "main", "/models/hf/Qwen--Qwen2.5-0.5B-Instruct@main"]]
+        ["Qwen/Qwen2.5-0.5B-Instruct", "main", "/models/hf/Qwen--Qwen2.5-0.5B-Instruct@main"]] * 2
     assert {"name": "model-cache", "mountPath": "/models/hf", "readOnly": True} in engine["volumeMounts"]
     assert children.pdb is not None and children.pdb["spec"]["maxUnavailable"] == 1
     # Surge one pod: an old pod serves until its replacement is Ready (spec.rollout can say otherwise).
