@@ -149,7 +149,9 @@ def plan_local_pod(children: Children, *, workdir: Path, ports: Mapping[int, int
             return _rewrite(text, paths=paths, ports=ports)
 
         named = {p["name"]: ports[p["containerPort"]] for p in c.get("ports") or [] if "name" in p}
-        return LocalProcess(name=c["name"], argv=[rewrite(a) for a in _argv([*c["command"], *(c.get("args") or [])])],
+        # Pod paths are rewritten in what the pod renders, before the local interpreter stands in for
+        # `decodectl`: this machine's own paths (a checkout under /tmp) are not the pod's mounts.
+        return LocalProcess(name=c["name"], argv=_argv([rewrite(a) for a in [*c["command"], *(c.get("args") or [])]]),
                             env=_env(c, rewrite=rewrite, host=host),
                             startup=_probe(c.get("startupProbe"), named), readiness=_probe(c.get("readinessProbe"), named))
 
