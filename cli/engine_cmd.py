@@ -73,7 +73,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
 
     from decodeservice.cli.main import UsageError
     from decodeservice.engine import ConfigError, Engine, EngineConfig, ModelLoadError, SpeculativeConfig
@@ -95,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Logging is set up once, by decodectl (cli/common.configure_logging): a root handler here as well
+    # printed every decodeservice line twice.
     return serve(settings, engine_factory=lambda: Engine.from_pretrained(model_path, **kwargs),
                  host=args.host, port=args.port, log_level=args.log_level)
