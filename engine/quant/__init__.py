@@ -71,10 +71,11 @@ class Precision:
     reason: str = ""  # why these activations, where the machine decided it
 
 
-def resolve_precision(config: EngineConfig, *, source_has_int4: bool, hidden_size: int = 576,
-                      intermediate_size: int = 1536) -> Precision:
+def resolve_precision(config: EngineConfig, *, source_has_int4: bool, hidden_size: int = 0,
+                      intermediate_size: int = 0) -> Precision:
     """What the engine runs at; a ConfigError at start-up for what this device cannot run. The sizes
-    are the model's: quantized weights on CPU with dtype auto measure bf16 against fp32 at its shape."""
+    are the model's: quantized weights on CPU with dtype auto confirm bf16 against fp32 at its shape
+    (0, unknown: at choose_activations' floor shape, never one model's)."""
     device = torch.device(config.device).type
     weights: WeightFormat
     if config.quantization == "auto":
