@@ -1,7 +1,7 @@
 """Is the default engine's text after long prompts as good as fp32's? JSON out.
 
     .venv/bin/python -P benchmarks/long_prompt_quality.py [--prompt-tokens 200,700,1800] [--out FILE]
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python -P benchmarks/long_prompt_quality.py
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python -P benchmarks/long_prompt_quality.py
 
 For each prompt length: the bundled model's default engine (quantization and dtype auto: int4 with the
 activations this CPU's kernel plan picks) and the same file dequantized to fp32 each continue a

@@ -8,8 +8,8 @@ bash scripts/setup.sh
 .venv/bin/python -P -m pytest "$@"
 if [ $# -eq 0 ]; then
     # The quantized CPU paths again as a CPU without AVX-512 runs them, on whatever machine this is:
-    # ATen's AVX2 dispatch (which packs the int4 kernel's weights differently) and oneDNN without
-    # native bf16 (so the engine picks fp32 activations). See engine/quant/cpu.py.
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python -P -m pytest -q \
+    # ATen's AVX2 dispatch (which packs the int4 kernel's weights differently), oneDNN without
+    # native bf16 (so the engine picks fp32 activations) and MKL's AVX2 GEMMs. See engine/quant/cpu.py.
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python -P -m pytest -q \
         tests/engine/quant tests/engine/test_quantized.py
 fi

@@ -7,8 +7,10 @@ Two facts decide the CPU path (engine/quant/kernel_plan.py):
 - the ISA ATen dispatches to (`ATEN_CPU_CAPABILITY` lowers it), which also decides how torch packs
   the int4 kernel's weights.
 
-`ATEN_CPU_CAPABILITY=avx2` together with `ONEDNN_MAX_CPU_ISA=AVX2` makes an AVX-512 machine take the
-AVX2 paths of both libraries, which is how the test suite covers CPUs without AVX-512 on either kind.
+`ATEN_CPU_CAPABILITY=avx2` with `ONEDNN_MAX_CPU_ISA=AVX2` and `MKL_ENABLE_INSTRUCTIONS=AVX2` makes an
+AVX-512 machine take the AVX2 paths of all three libraries, which is how the test suite covers CPUs
+without AVX-512 on either kind. Without the MKL cap, torch's fp32 GEMMs on unpacked weights (HF
+transformers', and the dense path's) keep AVX-512 and flatter an emulated run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class CpuCapability:
     model_name: str  # e.g. "AMD EPYC 7B13"
     aten: str  # the ISA ATen dispatches to: "AVX512", "AVX2", "DEFAULT", ...
     onednn_max_isa: str | None  # ONEDNN_MAX_CPU_ISA, where a user (or the tests) capped oneDNN
+    # MKL_ENABLE_INSTRUCTIONS: MKL (torch's fp32 GEMM for unpacked weights) has its own dispatch, which
+    # the two caps above do not lower; it changes timings, hence the kernel plans' cache key.
+    mkl_instructions: str | None = None
     flags: frozenset[str]  # the relevant ones the CPU reports
 
     @property
@@ -52,6 +57,7 @@ class CpuCapability:
 
     def describe(self) -> str:
         cap = f", oneDNN capped at {self.onednn_max_isa}" if self.onednn_max_isa else ""
+        cap += f", MKL capped at {self.mkl_instructions}" if self.mkl_instructions else ""
         return (f"{self.model_name} (ATen {self.aten}{cap}; native bf16: {'yes' if self.native_bf16 else 'no'}; "
                 f"int8 dot: {'yes' if self.int8_dot else 'no'}; flags {' '.join(sorted(self.flags)) or 'none'})")
 
@@ -68,7 +74,7 @@ def detect_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuCapability:
                 flags = frozenset(value.split()) & RELEVANT_FLAGS
     return CpuCapability(model_name=model_name or "unknown", aten=torch.backends.cpu.get_cpu_capability(),
                          onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
-                         flags=flags)
+                         mkl_instructions=os.environ.get("MKL_ENABLE_INSTRUCTIONS"), flags=flags)
 
 
 @functools.cache

@@ -97,17 +97,34 @@ class KernelPlan:
         }
 
 
-def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int) -> ActivationChoice:
-    """bf16 where this CPU runs it natively, confirmed by a GEMM at (at least) the model's shape; else fp32."""
+def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int,
+                       cache_dir: Path | None = None) -> ActivationChoice:
+    """bf16 where this CPU runs it natively, confirmed by a GEMM at (at least) the model's shape; else fp32.
+    The GEMM rounds' verdict is cached beside the kernel plans, so a restart (or a draft model) does
+    not pay them again."""
     if not cpu.native_bf16:
         return ActivationChoice(dtype=torch.float32, reason=(
             f"no native bf16 here (ATen {cpu.aten}, oneDNN cap {cpu.onednn_max_isa or 'none'}): fp32 activations "
             "and KV cache, bf16 only at the weight-only kernels' calls"))
+    k, n = max(hidden, 1024), max(intermediate, 1024)
+    cache = _cache_path(cache_dir, cpu, torch.bfloat16, [f"activations {k}x{n}"], prefix="activations")
+    try:
+        raw = json.loads(cache.read_text())
+        return ActivationChoice(dtype=getattr(torch, raw["dtype"]), reason=f"{raw['reason']} (cached: {cache})")
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring activation choice cache %s: %s", cache, exc)
+    choice = _measure_activations(k=k, n=n)
+    _write_json(cache, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason})
+    return choice
+
+
+def _measure_activations(*, k: int, n: int) -> ActivationChoice:
     # The GEMM tells hardware bf16 from emulated (~0.2x vs ~10x fp32's time), not shape effects: a tiny
     # model's GEMM would measure overheads, hence the floor. Only a loss in every one of several
     # interleaved rounds overrules the flags: on a loaded 2-core machine single timings moved 2-20x, and
     # the dtype must not flip between restarts with the neighbours' load.
-    k, n = max(hidden, 1024), max(intermediate, 1024)
     rounds = [(_gemm_ms(torch.bfloat16, rows=256, k=k, n=n), _gemm_ms(torch.float32, rows=256, k=k, n=n))
               for _ in range(BF16_ROUNDS)]
     ratio = min(bf16 / fp32 for bf16, fp32 in rounds)
@@ -254,14 +271,15 @@ def _shape_key(module: RowPlanned, *, head: bool) -> str:
     return f"{kind} {module.out_features}x{module.in_features}"
 
 
-def _cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str]) -> Path:
+def _cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,
+                prefix: str = "plan") -> Path:
     identity = {"version": PLAN_VERSION, "cpu": cpu.model_name, "aten": cpu.aten, "onednn": cpu.onednn_max_isa,
-                "flags": sorted(cpu.flags), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "mkl": cpu.mkl_instructions, "flags": sorted(cpu.flags), "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "activations": str(dtype), "shapes": keys}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     root = cache_dir or Path(os.environ.get("DECODESERVICE_KERNEL_CACHE") or
                              Path.home() / ".cache" / "decodeservice" / "kernels")
-    return root / f"plan-{digest}.json"
+    return root / f"{prefix}-{digest}.json"
 
 
 def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
@@ -279,10 +297,14 @@ def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
 
 
 def _write_cache(path: Path, shapes: dict[str, ShapePlan]) -> None:
+    _write_json(path, {"shapes": {key: asdict(p) for key, p in shapes.items()}})
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"shapes": {key: asdict(p) for key, p in shapes.items()}}, indent=1))
+        tmp.write_text(json.dumps(value, indent=1))
         tmp.replace(path)  # atomic: pods sharing a cache volume never read half a file
-    except OSError as exc:  # a read-only home in a pod: the plan still applies, it is just not kept
-        log.warning("could not cache the kernel plan at %s: %s", path, exc)
+    except OSError as exc:  # a read-only home in a pod: the choice still applies, it is just not kept
+        log.warning("could not cache the kernel choice at %s: %s", path, exc)

@@ -1,11 +1,12 @@
 """engine/quant/cpu.py and kernel_plan.py: the CPU's capabilities as read, the activation choice, the
 measured row thresholds and their cache, and the load-time self-check that refuses a wrong fast path.
 
-The whole file also runs under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (scripts/test.sh), where
+The whole file also runs under the AVX2 caps of scripts/test.sh (ATen, oneDNN, MKL), where
 torch packs the int4 kernel's weights in its AVX2 layout and bf16 is not native."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -56,6 +57,17 @@ def test_native_bf16_needs_the_flag_and_both_libraries_allowed_to_use_it() -> No
 def test_without_native_bf16_activations_are_fp32() -> None:
     choice = choose_activations(cpu("avx2 fma"), hidden=64, intermediate=128)
     assert choice.dtype == torch.float32 and "no native bf16" in choice.reason
+
+
+def test_the_bf16_verdict_is_measured_once_per_machine_then_read_back(tmp_path: Path) -> None:
+    native = cpu("avx2 avx512f avx512_bf16 amx_bf16 amx_tile")
+    first = choose_activations(native, hidden=64, intermediate=128, cache_dir=tmp_path)
+    assert "cached" not in first.reason and len(list(tmp_path.glob("activations-*.json"))) == 1
+    again = choose_activations(native, hidden=64, intermediate=128, cache_dir=tmp_path)
+    assert again.dtype == first.dtype and "cached" in again.reason
+    # another CPU (here: MKL capped) is another key, so it measures for itself
+    capped = dataclasses.replace(native, mkl_instructions="AVX2")
+    assert "cached" not in choose_activations(capped, hidden=64, intermediate=128, cache_dir=tmp_path).reason
 
 
 def test_the_first_win_is_the_start_of_the_last_winning_run() -> None:
