@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {name: Engine(model=base.model, tokenizer=base.tokenizer, config=cfg) for name, cfg in variants.items()}
     report: dict[str, Any] = {"model": args.model, "method": args.method, "num_tokens": args.num_tokens,
                               "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads(),
-                              "disable_batch_size": spec.disable_batch_size, "draft_row_cost": spec.draft_row_cost,
+                              "disable_batch_size": spec.disable_batch_size,
+                              "draft_row_cost_measured": engines["on"].spec.row_cost if engines["on"].spec else None,
                               "workloads": {}}
     # Warm-up: the first forwards of a process pay for oneDNN kernel selection and allocator growth.
     warm_prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": workload_messages("input_grounded")[0]}])

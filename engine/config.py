@@ -202,17 +202,17 @@ class SpeculativeConfig:
     # Per request, k follows the request's recent acceptance and the batch size (see decoder.py):
     # position j is drafted only while its expected acceptance beats its cost.
     adaptive: bool = True
-    # What verifying one more position costs, as a fraction of a batch-1 decode step. Measured with
-    # benchmarks/decode_step.py (verify_row_cost: 1 row vs 1 + k rows of one sequence, interleaved, min of
-    # 12, 1 thread): 0.26 at k = 8 and 0.27-0.30 at k = 4 for the default int4 weights of the bundled model
-    # (1-row step 15-16.5 ms, +8 rows 47-50 ms: the int4 kernel's cost grows with rows), at 36- and
-    # 203-token contexts; about 0.04 for oneDNN-packed fp32 weights on 2 cores. On a GPU
-    # at small batch it is far lower. A draft at position j pays when P(accepted) > draft_row_cost x
-    # batch size, so the same rule turns speculation down as the batch grows and turns it off for
-    # requests whose drafts keep failing. 0 always drafts num_tokens.
-    draft_row_cost: float = knob(
-        0.25, help="cost of verifying one more draft, as a fraction of a decode step (measured for int4 on CPU; "
-        "about 0.04 for fp32); sets how fast k shrinks with low acceptance and large batches",
+    # What verifying one more position costs, as a fraction of a batch-1 decode step. It depends on the
+    # machine, the weights and the thread count: benchmarks/decode_step.py (verify_row_cost) measured
+    # 0.26-0.30 for the bundled model's int4 weights at 1 thread (the int4 kernel's cost grows with
+    # rows) and about 0.04 for oneDNN-packed fp32 on 2 cores; on a GPU at small batch it is far lower.
+    # So by default the engine measures it at start-up, on its own model (ModelRunner.verify_row_cost).
+    # A draft at position j pays when P(accepted) > draft_row_cost x batch size, so the same rule turns
+    # speculation down as the batch grows and turns it off for requests whose drafts keep failing.
+    # 0 always drafts num_tokens.
+    draft_row_cost: float | None = knob(
+        None, help="cost of verifying one more draft, as a fraction of a decode step; sets how fast k shrinks "
+        "with low acceptance and large batches (unset: measured at start-up on this machine and model)",
         flag="--speculative-draft-row-cost", minimum=0, maximum=1, exclusive_maximum=True)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -34,6 +35,8 @@ from decodeservice.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from decodeservice.engine.spec_decode.decoder import SpeculativeDecoder
+
+log = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
 
@@ -80,6 +83,12 @@ class Engine:
             self.spec = SpeculativeDecoder.create(config.speculative, target=model, draft=draft,
                                                   num_blocks=num_blocks, block_size=config.block_size,
                                                   device=self.device, dtype=self.dtype)
+            if config.speculative.draft_row_cost is None:
+                cost = self.runner.verify_row_cost(drafts=config.speculative.num_tokens)
+                self.spec.row_cost = cost.row_cost
+                log.info("speculation: one more draft row costs %.3f of a decode step here (%d drafts %.2f ms "
+                         "vs %.2f ms without, measured at start-up)", cost.row_cost, cost.drafts, cost.verify_ms,
+                         cost.plain_ms)
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

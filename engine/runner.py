@@ -46,6 +46,18 @@ class StepLogits:
     argmax: list[list[int] | None] | None = None
 
 
+# SpeculativeConfig.draft_row_cost's bound is < 1; a row dearer than a whole step never pays anyway.
+ROW_COST_CEILING = 0.99
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyCost:
+    drafts: int
+    plain_ms: float  # one sequence's one-row step
+    verify_ms: float  # the same with `drafts` draft rows
+    row_cost: float  # (verify_ms - plain_ms) / (drafts x plain_ms)
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
@@ -113,6 +125,30 @@ class ModelRunner:
                                   num_new_tokens=1, num_spec_tokens=0)
                 for i in range(rows)]
             self.execute(SchedulerPlan(scheduled=scheduled))
+
+    def verify_row_cost(self, *, drafts: int, rounds: int = 5) -> VerifyCost:
+        """What one more verified draft costs here, as a fraction of a one-row decode step: one sequence's
+        step with `drafts` draft rows against its step without, interleaved so that the machine's load
+        hits both alike, min over `rounds`. Run before any request: the sequence writes its K/V into the
+        first blocks, which are free then (as in _warm_up)."""
+        blocks = list(range(cdiv(1 + drafts, self.block_size)))
+        seq = Sequence(request_id="verify-cost", prompt_token_ids=[0], params=SamplingParams(max_tokens=drafts + 1),
+                       block_ids=blocks)
+        seq.spec_token_ids = [0] * drafts  # any tokens: only the time is measured
+
+        def step_ms(k: int) -> float:
+            plan = SchedulerPlan(scheduled=[ScheduledSequence(seq=seq, num_new_tokens=1 + k, num_spec_tokens=k)])
+            start = time.perf_counter()
+            self.execute(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - start) * 1000
+
+        step_ms(0), step_ms(drafts)  # first calls pay for kernel selection and allocation
+        samples = [(step_ms(0), step_ms(drafts)) for _ in range(rounds)]
+        plain, verify = min(a for a, _ in samples), min(b for _, b in samples)
+        return VerifyCost(drafts=drafts, plain_ms=plain, verify_ms=verify,
+                          row_cost=min(max(verify - plain, 0.0) / (drafts * plain), ROW_COST_CEILING))
 
     def build_batch(self, scheduled: list[ScheduledSequence]) -> tuple[ForwardBatch, list[int]]:
         input_ids: list[int] = []

@@ -167,7 +167,7 @@ def test_readme_states_the_config_defaults() -> None:
         f"`max_num_batched_tokens`\n  (default {field_default(EngineConfig, 'max_num_batched_tokens')})",
         f"(at most `num_tokens`, default {field_default(SpeculativeConfig, 'num_tokens')})",
         f"`disable_batch_size` (default {field_default(SpeculativeConfig, 'disable_batch_size')})",
-        f"(default {field_default(SpeculativeConfig, 'draft_row_cost')}, measured on CPU)",
+        "`draft_row_cost` of a decode step (unset by default: measured at start-up on this machine and model)",
         f"`block_size`, default {field_default(EngineConfig, 'block_size')})",
     ):
         assert text in readme, f"README.md or docs/ should say {text!r}"

@@ -279,8 +279,13 @@ async def models(request: Request) -> Response:
                             "owned_by": "decodeservice"}
     if state.aengine is not None:
         card["max_model_len"] = state.aengine.engine.max_model_len
-        if (plan := state.aengine.engine.model.kernel_plan) is not None:
+        engine = state.aengine.engine
+        if (plan := engine.model.kernel_plan) is not None:
             card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
+        if engine.spec is not None:  # measured at start-up unless configured: what sets the drafts' k
+            card["speculative"] = {"method": engine.spec.config.method, "draft_row_cost": round(engine.spec.row_cost, 4),
+                                   "draft_row_cost_source": "configured" if engine.spec.config.draft_row_cost is not None
+                                   else "measured"}
     return JSONResponse({"object": "list", "data": [card]})
 
 

@@ -106,6 +106,8 @@ class SpeculativeDecoder:
         """`sampled_verifier` is the rule for temperature > 0; tests swap in a biased one to show the
         losslessness check can fail."""
         self.config = config
+        # draft_row_cost, or (unset) what the engine measured at start-up; 0 until then: every draft pays
+        self.row_cost = config.draft_row_cost or 0.0
         self.proposer = proposer
         self.max_positions = max_positions
         self.sampled_verifier = sampled_verifier
@@ -180,7 +182,7 @@ class SpeculativeDecoder:
         if state.cooldown:
             state.cooldown -= 1
             return 0
-        k = draft_length(state.acceptance, batch_size=batch_size, row_cost=self.config.draft_row_cost,
+        k = draft_length(state.acceptance, batch_size=batch_size, row_cost=self.row_cost,
                          max_tokens=self.config.num_tokens)
         if k == 0 and not state.probe_due:
             # Not worth drafting now. Pause (2, 4, .. MAX_COOLDOWN steps), then probe with one draft:

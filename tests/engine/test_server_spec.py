@@ -27,3 +27,7 @@ def test_ngram_speculation_served(bundled: ModelBundle) -> None:
         assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed
         first_position = srv.sample("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
         assert 0 < first_position <= drafts
+        # the row cost that sets k was measured at start-up (none configured), and is served
+        card = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]
+        assert card["speculative"]["method"] == "ngram" and card["speculative"]["draft_row_cost_source"] == "measured"
+        assert 0 <= card["speculative"]["draft_row_cost"] < 1

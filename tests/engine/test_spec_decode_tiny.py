@@ -68,8 +68,8 @@ def make_engine(target: LlamaModel, tokenizer: Tokenizer, spec: dict[str, Any] |
                 draft: LlamaModel | None = None, **config: Any) -> Engine:
     config.setdefault("num_gpu_blocks_override", 96)
     if spec is not None:
-        # These fp32 models' step costs: the k and pause expectations below are written for 0.04 (the
-        # engine's default, 0.25, is the int4 kernels' measured cost).
+        # The k and pause expectations below are written for 0.04 (by default the engine measures its
+        # own, test_an_unset_row_cost_is_measured_at_start_up_and_used).
         spec = {"draft_row_cost": 0.04, **spec}
     return Engine(model=target, tokenizer=tokenizer, draft=draft,
                   config=EngineConfig(speculative=SpeculativeConfig.parse(spec), **config))
@@ -257,3 +257,25 @@ def test_bad_configurations_are_rejected(target: LlamaModel, tokenizer: Tokenize
     with pytest.raises(ConfigError, match="bad speculative config"):
         SpeculativeConfig.parse({"method": "ngram", "k": 3})
     assert SpeculativeConfig.parse({"method": None}) is None
+
+
+def test_an_unset_row_cost_is_measured_at_start_up_and_used(target: LlamaModel, tokenizer: Tokenizer,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="decodeservice.engine.engine"):
+        measured = Engine(model=target, tokenizer=tokenizer, config=EngineConfig(
+            num_gpu_blocks_override=96, speculative=SpeculativeConfig(method="ngram", num_tokens=4)))
+    lines = [r.getMessage() for r in caplog.records if "draft row costs" in r.getMessage()]
+    assert measured.spec is not None and len(lines) == 1
+    assert f"costs {measured.spec.row_cost:.3f} of a decode step" in lines[0] and "4 drafts" in lines[0]
+    assert 0.0 <= measured.spec.row_cost < 1.0
+    cost = measured.runner.verify_row_cost(drafts=4, rounds=2)
+    assert cost.plain_ms > 0 and cost.verify_ms > 0
+    assert cost.row_cost == pytest.approx(min(max(cost.verify_ms - cost.plain_ms, 0) / (4 * cost.plain_ms), 0.99))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="decodeservice.engine.engine"):
+        configured = make_engine(target, tokenizer, {"method": "ngram", "num_tokens": 4, "draft_row_cost": 0.3})
+    assert configured.spec is not None and configured.spec.row_cost == 0.3
+    assert not [r for r in caplog.records if "draft row costs" in r.getMessage()]  # nothing measured
+    # the measurement's K/V left no trace: the engine serves the same greedy text as one without speculation
+    plain = make_engine(target, tokenizer).generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in measured.generate(PROMPTS[:2], GREEDY)] == [o.token_ids for o in plain]
