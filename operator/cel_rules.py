@@ -54,6 +54,10 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(path=(), rule="self.engine.kind != 'vllm' || !self.model.uri.startsWith('bundled://')",
             message="bundled:// models are served by the builtin engine only",
             check=lambda o: o["engine"]["kind"] != "vllm" or not str(o["model"]["uri"]).startswith("bundled://")),
+    CelRule(path=(), rule="self.resources.nodes == 1 || self.engine.kind == 'vllm'",
+            message="multi-node serving (resources.nodes > 1) needs engine.kind: vllm (the builtin engine runs "
+                    "on one device)",
+            check=lambda o: int(o["resources"]["nodes"]) == 1 or o["engine"]["kind"] == "vllm"),
     CelRule(path=("routing", "inferencePool"), rule="!self.enabled || has(self.endpointPickerRef)",
             message="endpointPickerRef is required when the inference pool is enabled",
             check=lambda o: not o.get("enabled", False) or "endpointPickerRef" in o),

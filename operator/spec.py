@@ -117,7 +117,10 @@ class Toleration(_Model):
 
 
 class ResourcesSpec(_Model):
-    gpus: int = Field(0, ge=0, le=16)
+    gpus: int = Field(0, ge=0, le=16)  # per pod: with nodes > 1, per node of a replica
+    # Pods (nodes) per replica. Above 1 a replica is a LeaderWorkerSet group: vLLM shards the model over
+    # gpus x nodes GPUs (tensor parallel within a node, pipeline parallel across), Ray joining the pods.
+    nodes: int = Field(1, ge=1, le=64)
     cpu: str = Field("2", pattern=QUANTITY_PATTERN)
     memory: str = Field("4Gi", pattern=QUANTITY_PATTERN)
     node_selector: dict[str, str] = Field(default_factory=dict)

@@ -59,6 +59,8 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
      "endpointPickerRef is required"),
     ("cel-picker-service-port", lambda s: s.update(routing={"inferencePool": {
         "enabled": True, "endpointPickerRef": {"name": "epp"}}}), "port is required when kind is 'Service'"),
+    ("cel-multinode-builtin", lambda s: s["resources"].update(nodes=2), "needs engine.kind: vllm"),
+    ("zero-nodes", lambda s: s["resources"].update(nodes=0), "less than the minimum"),
     ("cel-rollout-stuck", lambda s: s.update(rollout={"maxSurge": 0, "maxUnavailable": 0}), "cannot both be 0"),
     ("cel-default-over-cap", lambda s: s["policies"]["outputLength"].update(defaultMaxTokens=4096),
      "defaultMaxTokens must be <= maxOutputTokens"),
