@@ -155,8 +155,14 @@ def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
         args += ["--max-num-seqs", str(engine.max_num_seqs)]
     if engine.gpu_memory_fraction is not None:
         args += ["--gpu-memory-utilization", _num(engine.gpu_memory_fraction)]
-    if v.spec.resources.gpus > 1:
-        args += ["--tensor-parallel-size", str(v.spec.resources.gpus)]
+    res = v.spec.resources
+    if res.nodes > 1:
+        # One replica spans a LeaderWorkerSet group: tensor parallel over each pod's GPUs, pipeline parallel
+        # over the pods, with Ray (started by RAY_LEADER_SCRIPT and RAY_WORKER_SCRIPT) placing the shards.
+        args += ["--tensor-parallel-size", str(res.gpus), "--pipeline-parallel-size", str(res.nodes),
+                 "--distributed-executor-backend", "ray"]
+    elif res.gpus > 1:
+        args += ["--tensor-parallel-size", str(res.gpus)]
     spec = engine.speculative
     if spec.method is SpecMethod.NGRAM:
         # The n-gram window is the builtin proposer's (SpeculativeConfig's defaults), so both engines match alike.
@@ -170,11 +176,51 @@ def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     return args + list(engine.extra_args)
 
 
+# Multi-node vLLM (resources.nodes > 1), as LWS's own example (kubernetes-sigs/lws docs/examples/vllm) runs
+# it through vLLM's examples/online_serving/multi-node-serving.sh, written out here so that nothing depends on
+# a script's path inside the image. The LWS controller gives every container LWS_LEADER_ADDRESS (the leader
+# pod's DNS name) and LWS_GROUP_SIZE (pods per group). The leader starts the Ray head, waits until every pod
+# of its group has joined, then serves; vLLM's arguments come through "$@", so no spec text is pasted into
+# the script. A worker joins the head and blocks; a worker that cannot reach the head gives up after
+# RAY_JOIN_TIMEOUT_SECONDS and so does a leader whose group does not gather, and the group is recreated
+# (restartPolicy RecreateGroupOnPodRestart).
+RAY_PORT = 6379
+RAY_JOIN_TIMEOUT_SECONDS = 900
+_RAY_WAIT = (
+    "import sys, time, ray; want, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]); "
+    "ray.init(address=\"auto\", logging_level=\"ERROR\")\n"
+    "while (alive := sum(1 for n in ray.nodes() if n[\"Alive\"])) < want:\n"
+    "    if time.monotonic() > deadline: sys.exit(f\"{alive}/{want} Ray nodes joined in time\")\n"
+    "    print(f\"{alive}/{want} Ray nodes joined; waiting\", flush=True); time.sleep(5)\n"
+)
+RAY_LEADER_SCRIPT = (
+    "set -eu\n"
+    f"ray start --head --port={RAY_PORT} --disable-usage-stats\n"
+    f"python3 -c '{_RAY_WAIT}' \"$LWS_GROUP_SIZE\" {RAY_JOIN_TIMEOUT_SECONDS}\n"
+    "exec python3 -m vllm.entrypoints.openai.api_server \"$@\"\n"
+)
+RAY_WORKER_SCRIPT = (
+    f"for i in $(seq 1 {RAY_JOIN_TIMEOUT_SECONDS // 5}); do\n"
+    "  ray start --address=\"$1\" --block --disable-usage-stats && exit 0\n"
+    "  echo \"waiting for the Ray head at $1\"; sleep 5\n"
+    "done\n"
+    "exit 1\n"
+)
+
+
 def engine_command(v: ValidatedSpec, plan: ModelPlan) -> tuple[list[str], list[str]]:
-    """(command, args) of the engine container."""
+    """(command, args) of the engine container (a multi-node replica's leader: Ray head, then vLLM)."""
     if v.spec.engine.kind is EngineKind.VLLM:
+        if v.spec.resources.nodes > 1:
+            return ["sh", "-c", RAY_LEADER_SCRIPT, "vllm-leader"], vllm_args(v, plan)
         return ["python3", "-m", "vllm.entrypoints.openai.api_server"], vllm_args(v, plan)
     return ["decodectl"], builtin_args(v, plan)
+
+
+def ray_worker_command() -> tuple[list[str], list[str]]:
+    """(command, args) of a multi-node replica's worker pods: join the leader's Ray head and block. The
+    kubelet expands $(LWS_LEADER_ADDRESS), which the LWS controller sets in every container."""
+    return ["sh", "-c", RAY_WORKER_SCRIPT, "ray-worker"], [f"$(LWS_LEADER_ADDRESS):{RAY_PORT}"]
 
 
 def _num(value: float) -> str:

@@ -2,7 +2,8 @@
 
 `OperatorError` is the root. Handlers map the branches on purpose: `InvalidSpecError` and
 `ChildConflictError` stop processing (kopf.PermanentError, `Ready=False` with the error's reason), an
-`ApiError` that `transient` says may pass is retried with backoff (kopf.TemporaryError).
+`ApiError` that `transient` says may pass is retried with backoff (kopf.TemporaryError), and a
+`WorkloadUnavailableError` is `Ready=False` with its reason and retried (kopf.TemporaryError).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ class ChildConflictError(OperatorError):
     """A child object with our name exists and is controlled by some other owner."""
 
     reason = "ChildConflict"
+
+
+class WorkloadUnavailableError(OperatorError):
+    """The cluster cannot take the workload kind a spec needs (a multi-node service's LeaderWorkerSet): its
+    API is not served, or the operator may not write it. Ready=False with `reason`; retried later, since
+    an admin may install LWS or upgrade the chart's RBAC without the spec changing."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ApiError(OperatorError):

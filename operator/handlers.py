@@ -1,7 +1,8 @@
 """kopf handlers for DecodeService: short, typed, idempotent.
 
 create, update and resume all run `_reconcile`; a timer runs it again every `resync_seconds` to repair
-drift (a child deleted or edited by hand) and to refresh the status from the Deployment's. Handlers are
+drift (a child deleted or edited by hand) and to refresh the status from the Deployment's (or the
+LeaderWorkerSet's). Handlers are
 registered on a registry built per operator (`build_registry`), so the state they share (the API client)
 belongs to that registry's closure, not to the module.
 """
@@ -14,13 +15,18 @@ from typing import Any
 import kopf
 
 from decodeservice.operator.autoscaler.controller import Autoscaling, AutoscalingConfig, settings_for
-from decodeservice.operator.errors import ApiError, ChildConflictError, InvalidSpecError
+from decodeservice.operator.errors import (
+    ApiError,
+    ChildConflictError,
+    InvalidSpecError,
+    WorkloadUnavailableError,
+)
 from decodeservice.operator.kube import KINDS, KubeClient
 from decodeservice.operator.kube import login as kube_login
-from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas
+from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas, serving_selector
 from decodeservice.operator.reconcile import apply_children
 from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, validate_spec
-from decodeservice.operator.status import derive_status, invalid_status
+from decodeservice.operator.status import derive_status, invalid_status, workload_state
 
 ANNOTATION_PREFIX = "decode.dev"
 
@@ -140,6 +146,14 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             patch["status"] = invalid_status(name=name, generation=generation, reason=exc.reason,
                                              message=str(exc), previous=previous)
             raise kopf.PermanentError(str(exc)) from exc
+        except WorkloadUnavailableError as exc:
+            # Not the spec's fault and not a crash loop: say so, and look again at the slowest retry pace
+            # (installing LWS or upgrading the chart's RBAC takes an admin, not a second).
+            patch["status"] = invalid_status(name=name, generation=generation, reason=exc.reason, message=str(exc),
+                                             previous=previous, progress="waiting for the cluster to serve the "
+                                             "LeaderWorkerSet API")
+            logger.warning(f"{exc.reason}: {exc}")
+            raise kopf.TemporaryError(str(exc), delay=config.retry_max_seconds) from exc
         except ApiError as exc:
             if not exc.transient and exc.status not in (401, 403):
                 patch["status"] = invalid_status(name=name, generation=generation, reason="ApiRejected",
@@ -149,12 +163,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             delay = config.backoff(retry)
             logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
             raise kopf.TemporaryError(str(exc), delay=delay) from exc
-        deployment, pool = applied.deployment, applied.inference_pool
-
+        pool = applied.inference_pool
         patch["status"] = derive_status(
             name=name, namespace=namespace, generation=generation,
             desired_replicas=desired_replicas(v) if replicas is None else replicas,
-            deployment=deployment, slo_percentile=v.policy.slo.percentile, previous=previous,
+            workload=workload_state(applied.workload, kind=str(children.workload["kind"])),
+            selector=serving_selector(name, v), slo_percentile=v.policy.slo.percentile, previous=previous,
             slo=autoscaling.latest_slo(str(body.metadata.uid)))
         if pool.enabled:  # InferencePoolReady, only while spec.routing.inferencePool is on
             patch["status"]["conditions"].append(pool.condition(generation=generation, previous=previous))

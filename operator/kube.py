@@ -1,6 +1,7 @@
 """A small async Kubernetes API client for the children: get, server-side apply, delete.
 
-kopf owns the DecodeService itself; for the Deployments, Services, ConfigMaps, PDBs and InferencePools we
+kopf owns the DecodeService itself; for the Deployments, LeaderWorkerSets, Services, ConfigMaps, PDBs and
+InferencePools we
 talk to the API with the same credentials kopf logged in with (a `kopf.ConnectionInfo`), over aiohttp
 (kopf's own dependency). Every failure becomes an `ApiError` carrying the HTTP status, so the handlers can
 tell the retryable (5xx, 409, 429, network) from the permanent.
@@ -58,6 +59,7 @@ KINDS: dict[str, Kind] = {
     "Deployment": Kind(api_version="apps/v1", plural="deployments"),
     "PodDisruptionBudget": Kind(api_version="policy/v1", plural="poddisruptionbudgets"),
     "InferencePool": Kind(api_version="inference.networking.k8s.io/v1", plural="inferencepools"),
+    "LeaderWorkerSet": Kind(api_version="leaderworkerset.x-k8s.io/v1", plural="leaderworkersets"),
 }
 
 

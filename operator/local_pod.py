@@ -121,6 +121,9 @@ def _probe(spec: dict[str, Any] | None, ports: Mapping[str, int]) -> Probe | Non
 def plan_local_pod(children: Children, *, workdir: Path, ports: Mapping[int, int],
                    volumes: Mapping[str, Path] | None = None, host_env: Mapping[str, str] | None = None) -> LocalPod:
     """The pod of `children` as local processes; `ports` maps each container port to a local one."""
+    if children.workload["kind"] != "Deployment":
+        raise LocalPodError("a multi-node service (resources.nodes > 1) runs as a LeaderWorkerSet of several "
+                            "GPU pods; decodectl up runs single-node services only")
     pod = children.deployment["spec"]["template"]["spec"]
     host = dict(os.environ if host_env is None else host_env)
     given = dict(volumes or {})

@@ -1,7 +1,8 @@
 """Desired child objects of a DecodeService: one pure function, spec in, dicts out.
 
 `build_children` is all the operator (and `decodectl render`) knows about what a DecodeService becomes:
-a Deployment (engine + proxy sidecar), a Service on the proxy port, a ConfigMap with `policy.yaml`, and a
+a Deployment (engine + proxy sidecar), or a LeaderWorkerSet when a replica spans several nodes
+(operator/leader_worker_set.py), a Service on the proxy port, a ConfigMap with `policy.yaml`, and a
 PodDisruptionBudget when more than one replica runs. No API calls happen here; owner references are
 added by the handlers with `kopf.adopt` because they need the live object's uid.
 """
@@ -26,6 +27,13 @@ from decodeservice.operator.engines import (
 )
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.inference_pool import build_inference_pool, pod_labels
+from decodeservice.operator.leader_worker_set import (
+    LEADER,
+    ROLE_LABEL,
+    build_leader_worker_set,
+    multi_node,
+    worker_pod_spec,
+)
 from decodeservice.operator.podspec import dump
 from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSpec, validate_spec
 
@@ -33,7 +41,7 @@ from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSp
 # engines; CUDA torch for builtin engines with resources.gpus > 0 (the CPU wheel cannot see a GPU).
 DEFAULT_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0"
 DEFAULT_CUDA_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0-cuda"
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.9.2"
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 POLICY_DIR = "/etc/decodeservice"
 MANAGED_BY = "decodeservice-operator"
 POLICY_HASH_ANNOTATION = "decode.dev/policy-hash"
@@ -95,19 +103,32 @@ class BuildOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class Children:
-    deployment: dict[str, Any]
+    workload: dict[str, Any]  # the Deployment, or the LeaderWorkerSet of a multi-node service
     service: dict[str, Any]
     config_map: dict[str, Any]
     pdb: dict[str, Any] | None
     inference_pool: dict[str, Any] | None = None
 
     def all(self) -> list[dict[str, Any]]:
-        objs = [self.config_map, self.service, self.deployment]
+        objs = [self.config_map, self.service, self.workload]
         return objs + [o for o in (self.pdb, self.inference_pool) if o is not None]
+
+    @property
+    def deployment(self) -> dict[str, Any]:
+        """The Deployment of a single-node service; a multi-node one has none (see `workload`)."""
+        if self.workload["kind"] != "Deployment":
+            raise ValueError(f"a multi-node service has a {self.workload['kind']}, not a Deployment")
+        return self.workload
 
 
 def selector_labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "decodeservice", "app.kubernetes.io/instance": name}
+
+
+def serving_selector(name: str, v: ValidatedSpec) -> dict[str, str]:
+    """The pods that serve (run the proxy): every pod of a Deployment, the leaders of a LeaderWorkerSet.
+    The Service, the InferencePool, status.selector and the autoscaler's scrape select these."""
+    return {**selector_labels(name), ROLE_LABEL: LEADER} if multi_node(v) else selector_labels(name)
 
 
 def _labels(name: str, v: ValidatedSpec) -> dict[str, str]:
@@ -270,29 +291,24 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
     if res.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations]
     _pass_through(v, pod_spec, selector=selector_labels(name))
-    # By default a new pod is Ready before an old one goes (a one-replica service keeps serving);
-    # spec.rollout lets a GPU-quota-bound cluster replace in place instead.
-    rollout = v.spec.rollout
-    rolling = {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}
-    deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, labels),
-        "spec": {
-            "replicas": replicas,
-            "revisionHistoryLimit": 3,
-            "selector": {"matchLabels": selector_labels(name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
-            "template": {
-                "metadata": {"labels": {**v.spec.pod.labels, **labels, **pod_labels(v)}, "annotations": {
-                    **v.spec.pod.annotations, POLICY_HASH_ANNOTATION: policy_hash,
-                    "prometheus.io/scrape": "true", "prometheus.io/port": str(PROXY_PORT),
-                    "prometheus.io/path": "/metrics"}},
-                "spec": pod_spec,
-            },
-        },
+    template: dict[str, Any] = {
+        "metadata": {"labels": {**v.spec.pod.labels, **labels, **pod_labels(v)}, "annotations": {
+            **v.spec.pod.annotations, POLICY_HASH_ANNOTATION: policy_hash,
+            "prometheus.io/scrape": "true", "prometheus.io/port": str(PROXY_PORT),
+            "prometheus.io/path": "/metrics"}},
+        "spec": pod_spec,
     }
+    if multi_node(v):
+        worker = {"metadata": {"labels": {**v.spec.pod.labels, **labels}, "annotations": dict(v.spec.pod.annotations)},
+                  "spec": worker_pod_spec(pod_spec, pod_spec["containers"][0])}
+        workload = build_leader_worker_set(name=name, namespace=namespace, v=v, labels=labels, replicas=replicas,
+                                           leader=template, worker=worker)
+    else:
+        workload = _deployment(name, namespace, v, labels=labels, replicas=replicas, template=template)
+    serving = serving_selector(name, v)
     service = {
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, labels),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+        "spec": {"type": "ClusterIP", "selector": serving,
                  "ports": [{"name": "http", "port": PROXY_PORT, "targetPort": "http", "protocol": "TCP"}]},
     }
     pdb = None
@@ -304,8 +320,26 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
     if replicas > 1 or may_scale:
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, labels),
                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
-    pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=selector_labels(name))
-    return Children(deployment=deployment, service=service, config_map=config_map, pdb=pdb, inference_pool=pool)
+    pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=serving)
+    return Children(workload=workload, service=service, config_map=config_map, pdb=pdb, inference_pool=pool)
+
+
+def _deployment(name: str, namespace: str, v: ValidatedSpec, *, labels: dict[str, str], replicas: int,
+                template: dict[str, Any]) -> dict[str, Any]:
+    # By default a new pod is Ready before an old one goes (a one-replica service keeps serving);
+    # spec.rollout lets a GPU-quota-bound cluster replace in place instead.
+    rollout = v.spec.rollout
+    rolling = {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, labels),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": template,
+        },
+    }
 
 
 def _pass_through(v: ValidatedSpec, pod_spec: dict[str, Any], *, selector: dict[str, str]) -> None:

@@ -16,8 +16,8 @@ values (nobody edited them) is left alone. So a resync of an unchanged DecodeSer
 changed spec changes the hash, and that apply removes what we no longer set.
 
 Replicas are always ours to apply (`manifests.desired_replicas`). In autoscaling mode `external` an HPA
-or KEDA scales the DecodeService through its scale subresource (`spec.replicas`), never the Deployment,
-so the two never fight over the Deployment's `spec.replicas`.
+or KEDA scales the DecodeService through its scale subresource (`spec.replicas`), never the Deployment
+(or LeaderWorkerSet), so the two never fight over the workload's `spec.replicas`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from decodeservice.operator.errors import ApiError, ChildConflictError
+from decodeservice.operator.errors import ApiError, ChildConflictError, WorkloadUnavailableError
 from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient, kind_of
 from decodeservice.operator.manifests import Children
 from decodeservice.operator.status import _conditions, now_iso
@@ -55,7 +55,7 @@ class PoolOutcome:
 
 @dataclass(frozen=True, kw_only=True)
 class Applied:
-    deployment: dict[str, Any]
+    workload: dict[str, Any]  # the live Deployment or LeaderWorkerSet
     inference_pool: PoolOutcome
 
 
@@ -165,20 +165,54 @@ async def _apply_pool(client: KubeClient, children: Children, *, owner_uid: str,
     return PoolOutcome(enabled=True, applied=True, reason="Applied", message=f"InferencePool {name} applied")
 
 
+LWS_API = "leaderworkersets.leaderworkerset.x-k8s.io"
+
+
+async def _apply_workload(client: KubeClient, children: Children, *, owner_uid: str, namespace: str,
+                          name: str) -> dict[str, Any]:
+    """Apply the Deployment or the LeaderWorkerSet, then delete our own object of the other kind (the
+    service switched between one node and several). A LeaderWorkerSet the cluster cannot take raises
+    WorkloadUnavailableError before anything else changed, so a Deployment that served keeps serving."""
+    workload = children.workload
+    try:
+        live = await apply_child(client, workload, owner_uid=owner_uid)
+    except ApiError as exc:
+        if workload["kind"] != "LeaderWorkerSet" or exc.status not in (403, 404):
+            raise
+        if exc.not_found:  # the API group is not served: the LWS CRD (and controller) is not installed
+            raise WorkloadUnavailableError(
+                f"resources.nodes > 1 runs each replica as a LeaderWorkerSet, and this cluster does not serve "
+                f"{LWS_API} (v1): install LeaderWorkerSet (https://lws.sigs.k8s.io/docs/installation/); until "
+                "then nothing is rolled and an existing Deployment keeps serving", reason="LWSNotInstalled") from exc
+        raise WorkloadUnavailableError(
+            f"the operator may not write {LWS_API}; upgrade the chart (its RBAC grants that): {exc}",
+            reason="LWSForbidden") from exc
+    other = KINDS["Deployment" if workload["kind"] == "LeaderWorkerSet" else "LeaderWorkerSet"]
+    try:
+        stale = await client.get(other, namespace, name)
+    except ApiError as exc:
+        if exc.status not in (403, 404):
+            raise
+        stale = None  # no LWS API, or a chart from before multi-node (no RBAC for it): nothing of ours there
+    if stale is not None and _controller_uid(stale) == owner_uid:
+        await client.delete(other, namespace, name)
+    return live
+
+
 async def apply_children(client: KubeClient, children: Children, *, owner_uid: str, namespace: str,
                          name: str) -> Applied:
-    """Apply every child (ConfigMap first, so a rolled pod finds its new policy); returns the live Deployment."""
-    deployment: dict[str, Any] = {}
+    """Apply every child and return the live workload. The ConfigMap goes first, so a rolled pod finds its
+    new policy; the workload next, so that the Service selects its pods only once they can exist."""
+    await apply_child(client, children.config_map, owner_uid=owner_uid)
+    workload = await _apply_workload(client, children, owner_uid=owner_uid, namespace=namespace, name=name)
     for obj in children.all():
-        if obj is children.inference_pool:
-            continue  # applied last, and only where its CRD is installed
-        live = await apply_child(client, obj, owner_uid=owner_uid)
-        if obj is children.deployment:
-            deployment = live
+        if obj is children.config_map or obj is children.workload or obj is children.inference_pool:
+            continue  # applied above; the pool last, and only where its CRD is installed
+        await apply_child(client, obj, owner_uid=owner_uid)
     if children.pdb is None:
         pdb_kind = KINDS["PodDisruptionBudget"]
         live_pdb = await client.get(pdb_kind, namespace, name)
         if live_pdb is not None and _controller_uid(live_pdb) == owner_uid:
             await client.delete(pdb_kind, namespace, name)
     pool = await _apply_pool(client, children, owner_uid=owner_uid, namespace=namespace, name=name)
-    return Applied(deployment=deployment, inference_pool=pool)
+    return Applied(workload=workload, inference_pool=pool)

@@ -1,4 +1,5 @@
-"""DecodeService status, derived from the children's status: pure functions, no API calls.
+"""DecodeService status, derived from the children's status (the Deployment's, or a multi-node service's
+LeaderWorkerSet's): pure functions, no API calls.
 
 Each condition carries observedGeneration; lastTransitionTime only moves when the status value changes,
 so a resync that finds nothing new leaves the timestamps alone.
@@ -7,6 +8,7 @@ so a resync that finds nothing new leaves the timestamps alone.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,28 +40,87 @@ def _conditions(values: list[tuple[str, str, str, str]], *, generation: int, pre
     return result
 
 
-def _selector(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+def _selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 def invalid_status(*, name: str, generation: int, reason: str, message: str,
-                   previous: Mapping[str, Any] | None, now: str | None = None) -> dict[str, Any]:
+                   previous: Mapping[str, Any] | None, now: str | None = None,
+                   progress: str = "not reconciled until the spec is fixed") -> dict[str, Any]:
     """Status of a DecodeService whose spec cannot be served: Ready=False with the reason, nothing rolled."""
     values = [("Ready", "False", reason, message),
-              ("Progressing", "False", reason, "not reconciled until the spec is fixed"),
+              ("Progressing", "False", reason, progress),
               ("Degraded", "True", reason, message),
               ("SLOMet", "Unknown", "NoMeasurements", "no pods are serving")]
     prev = previous or {}
+    # The last selector stays (an HPA keeps counting the pods it counted); the spec's own may be unreadable.
     return {"observedGeneration": generation, "replicas": int(prev.get("replicas") or 0),
-            "readyReplicas": int(prev.get("readyReplicas") or 0), "selector": _selector(name),
+            "readyReplicas": int(prev.get("readyReplicas") or 0),
+            "selector": str(prev.get("selector") or _selector(selector_labels(name))),
             "conditions": _conditions(values, generation=generation, previous=previous, now=now or now_iso())}
 
 
-def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
-    for cond in (deployment.get("status") or {}).get("conditions") or []:
+def _condition(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
         if isinstance(cond, Mapping) and cond.get("type") == kind:
             return cond
     return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadState:
+    """What the Deployment or the LeaderWorkerSet reports, in the terms the conditions need."""
+
+    kind: str
+    exists: bool
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    stale: bool = False  # its controller has not seen the latest spec yet
+    available: bool = True  # the controller's own verdict (LWS: Available), where it has one
+    degraded: tuple[str, str, str] = ("False", "AsExpected", "no failures reported")
+
+
+def deployment_state(deployment: Mapping[str, Any] | None) -> WorkloadState:
+    if deployment is None:
+        return WorkloadState(kind="Deployment", exists=False)
+    status: Mapping[str, Any] = deployment.get("status") or {}
+    meta: Mapping[str, Any] = deployment.get("metadata") or {}
+    progress = _condition(deployment, "Progressing")
+    failure = _condition(deployment, "ReplicaFailure")
+    degraded: tuple[str, str, str] = ("False", "AsExpected", "no failures reported")
+    if progress.get("reason") == "ProgressDeadlineExceeded":
+        degraded = ("True", "ProgressDeadlineExceeded", str(progress.get("message") or "rollout stalled"))
+    elif failure.get("status") == "True":
+        degraded = ("True", str(failure.get("reason") or "ReplicaFailure"), str(failure.get("message") or ""))
+    return WorkloadState(
+        kind="Deployment", exists=True, replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0), updated=int(status.get("updatedReplicas") or 0),
+        # A Deployment controller that has not seen the latest template yet means the rollout has not begun.
+        stale=int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 0), degraded=degraded)
+
+
+def leader_worker_set_state(lws: Mapping[str, Any] | None) -> WorkloadState:
+    """LWS api/leaderworkerset/v1 LeaderWorkerSetStatus: replicas, readyReplicas and updatedReplicas count
+    groups; Available (all groups ready and updated) and Progressing/UpdateInProgress exclude each other.
+    status.observedGeneration exists from LWS 0.9; before it, the conditions' observedGeneration tells."""
+    if lws is None:
+        return WorkloadState(kind="LeaderWorkerSet", exists=False)
+    status: Mapping[str, Any] = lws.get("status") or {}
+    generation = int((lws.get("metadata") or {}).get("generation") or 0)
+    available = _condition(lws, "Available")
+    seen = status.get("observedGeneration")
+    if seen is None:
+        seen = max((int(c.get("observedGeneration") or 0) for c in status.get("conditions") or []
+                    if isinstance(c, Mapping)), default=0)
+    return WorkloadState(
+        kind="LeaderWorkerSet", exists=True, replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0), updated=int(status.get("updatedReplicas") or 0),
+        stale=int(seen) < generation, available=available.get("status") == "True")
+
+
+def workload_state(workload: Mapping[str, Any] | None, *, kind: str) -> WorkloadState:
+    return leader_worker_set_state(workload) if kind == "LeaderWorkerSet" else deployment_state(workload)
 
 
 def slo_condition(slo: Mapping[str, Any], percentile: float) -> tuple[str, str, str]:
@@ -89,47 +150,33 @@ def with_condition(previous: Mapping[str, Any] | None, kind: str, value: tuple[s
 
 
 def derive_status(*, name: str, namespace: str, generation: int, desired_replicas: int,
-                  deployment: Mapping[str, Any] | None, slo_percentile: float,
+                  workload: WorkloadState, selector: Mapping[str, str], slo_percentile: float,
                   previous: Mapping[str, Any] | None, now: str | None = None,
                   slo: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`slo`: the autoscaler's latest status.slo when it has one, fresher than `previous`'s copy."""
-    dep_status: Mapping[str, Any] = (deployment or {}).get("status") or {}
-    replicas = int(dep_status.get("replicas") or 0)
-    ready = int(dep_status.get("readyReplicas") or 0)
-    updated = int(dep_status.get("updatedReplicas") or 0)
-    dep_meta: Mapping[str, Any] = (deployment or {}).get("metadata") or {}
-    # A Deployment controller that has not seen the latest template yet means the rollout has not begun.
-    stale = int(dep_status.get("observedGeneration") or 0) < int(dep_meta.get("generation") or 0)
-
-    if deployment is None:
-        ready_c = ("False", "DeploymentMissing", "the Deployment does not exist yet")
+    """`selector`: the serving pods (manifests.serving_selector); `slo`: the autoscaler's latest status.slo
+    when it has one, fresher than `previous`'s copy."""
+    w = workload
+    unit = "replicas" if w.kind == "Deployment" else "replicas (pod groups)"
+    if not w.exists:
+        ready_c = ("False", f"{w.kind}Missing", f"the {w.kind} does not exist yet")
     elif desired_replicas == 0:
         ready_c = ("False", "ScaledToZero", "replicas is 0")
-    elif ready >= desired_replicas and updated >= desired_replicas and not stale:
-        ready_c = ("True", "AllReplicasReady", f"{ready}/{desired_replicas} replicas ready")
+    elif w.ready >= desired_replicas and w.updated >= desired_replicas and not w.stale and w.available:
+        ready_c = ("True", "AllReplicasReady", f"{w.ready}/{desired_replicas} {unit} ready")
     else:
-        ready_c = ("False", "ReplicasNotReady", f"{ready}/{desired_replicas} replicas ready")
+        ready_c = ("False", "ReplicasNotReady", f"{w.ready}/{desired_replicas} {unit} ready")
 
-    progress = _deployment_condition(deployment or {}, "Progressing")
-    failure = _deployment_condition(deployment or {}, "ReplicaFailure")
-    if progress.get("reason") == "ProgressDeadlineExceeded":
-        degraded = ("True", "ProgressDeadlineExceeded", str(progress.get("message") or "rollout stalled"))
-    elif failure.get("status") == "True":
-        degraded = ("True", str(failure.get("reason") or "ReplicaFailure"), str(failure.get("message") or ""))
-    else:
-        degraded = ("False", "AsExpected", "no failures reported")
-
-    if deployment is None or stale or updated < desired_replicas or ready < desired_replicas:
-        progressing = ("True", "RollingOut", f"{updated}/{desired_replicas} replicas updated, {ready} ready")
+    if not w.exists or w.stale or w.updated < desired_replicas or w.ready < desired_replicas or not w.available:
+        progressing = ("True", "RollingOut", f"{w.updated}/{desired_replicas} {unit} updated, {w.ready} ready")
     else:
         progressing = ("False", "RolloutComplete", "every replica runs the current spec")
 
     slo_c = slo_condition(slo if slo is not None else (previous or {}).get("slo") or {}, slo_percentile)
 
-    values = [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *degraded), ("SLOMet", *slo_c)]
+    values = [("Ready", *ready_c), ("Progressing", *progressing), ("Degraded", *w.degraded), ("SLOMet", *slo_c)]
     status: dict[str, Any] = {
-        "observedGeneration": generation, "replicas": replicas, "readyReplicas": ready,
-        "selector": _selector(name), "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{PROXY_PORT}",
+        "observedGeneration": generation, "replicas": w.replicas, "readyReplicas": w.ready,
+        "selector": _selector(selector), "endpoint": f"http://{name}.{namespace}.svc.cluster.local:{PROXY_PORT}",
         "conditions": _conditions(values, generation=generation, previous=previous, now=now or now_iso()),
     }
     # status.slo itself is left out: the autoscaler writes it between reconciles, and this merge patch,

@@ -1,6 +1,7 @@
 """The builtin autoscaler's I/O loop: one tick per DecodeService every `intervalSeconds`.
 
-A tick reads the Deployment's replicas and the pods (by the selector labels), scrapes the ready pods'
+A tick reads the Deployment's replicas (a multi-node service's LeaderWorkerSet's, counted in pod groups)
+and the serving pods (manifests.serving_selector: a LeaderWorkerSet's leaders), scrapes the ready pods'
 proxies, hands a `FleetObservation` to that service's `Autoscaler` (one per uid, kept in memory for
 its windows and stabilization), and writes what it decided: the Deployment's replicas when they
 change (with an Event saying why), and `status.slo` plus the `SLOMet` condition.
@@ -26,7 +27,8 @@ from decodeservice.operator.autoscaler.scrape import ScrapeResult, ScrapeSetting
 from decodeservice.operator.autoscaler.types import FleetObservation, ScaleDecision
 from decodeservice.operator.errors import ApiError, InvalidSpecError
 from decodeservice.operator.kube import KINDS, Kind, KubeClient
-from decodeservice.operator.manifests import selector_labels
+from decodeservice.operator.leader_worker_set import multi_node
+from decodeservice.operator.manifests import serving_selector
 from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, ValidatedSpec, validate_spec
 from decodeservice.operator.status import now_iso, slo_condition, with_condition
 
@@ -66,6 +68,11 @@ def settings_for(v: ValidatedSpec, *, default_interval: float) -> AutoscalerSett
             scale_down_stabilization_seconds=float(a.scale_down_delay_seconds), **overrides)
     except ValueError as exc:
         raise InvalidSpecError(f"spec.autoscaling: {exc}") from None
+
+
+def workload_kind(v: ValidatedSpec) -> Kind:
+    """What runs the replicas: a Deployment, or a LeaderWorkerSet whose spec.replicas counts pod groups."""
+    return KINDS["LeaderWorkerSet"] if multi_node(v) else KINDS["Deployment"]
 
 
 def clamp_replicas(v: ValidatedSpec, replicas: int) -> int:
@@ -136,7 +143,12 @@ class Autoscaling:
             return None
         decided = self.decided(uid)
         if decided is None:
-            live = await client.get(KINDS["Deployment"], namespace, name)
+            try:
+                live = await client.get(workload_kind(v), namespace, name)
+            except ApiError as exc:
+                if exc.status != 403:
+                    raise
+                live = None  # no RBAC for a LeaderWorkerSet: its apply fails next and says so (LWSForbidden)
             decided = int((live or {}).get("spec", {}).get("replicas", v.spec.replicas))
         return clamp_replicas(v, decided)
 
@@ -194,17 +206,19 @@ class Autoscaling:
         name, namespace, uid = str(meta["name"]), str(meta["namespace"]), str(meta["uid"])
         settings = settings_for(v, default_interval=self.config.interval_seconds)
         state = self._state(uid, settings)
-        pods = census(await client.list_pods(namespace, selector_labels(name)),
+        # The serving pods: every pod of a Deployment, the leaders (one per group) of a LeaderWorkerSet.
+        pods = census(await client.list_pods(namespace, serving_selector(name, v)),
                       overrides=self.config.scrape_overrides)
         scraped = await scrape(self._session(), pods.ready, settings=self.config.scrape, clock=time.monotonic)
         # Read, decide and write under the service's lock, which the reconcile holds from reading the
         # decision to writing the Deployment: neither can undo the other with a value it read earlier.
         async with self.lock(uid):
-            deployment = await client.get(KINDS["Deployment"], namespace, name)
+            kind = workload_kind(v)
+            workload = await client.get(kind, namespace, name)
             mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode")
-            if deployment is None or mode != AutoscalingMode.BUILTIN.value:
+            if workload is None or mode != AutoscalingMode.BUILTIN.value:
                 return None  # nothing to scale yet, or the mode left builtin while this tick scraped
-            current = int((deployment.get("spec") or {}).get("replicas") or 0)
+            current = int((workload.get("spec") or {}).get("replicas") or 0)
             decision = state.autoscaler.decide(FleetObservation(
                 at=time.monotonic(), current_replicas=current, samples=scraped.samples,
                 failed_pods=scraped.failed, starting_pods=pods.starting))
@@ -213,8 +227,9 @@ class Autoscaling:
             if decision.changed:
                 # Server-side apply of the one field, under a manager of its own: the operator's applies
                 # (which carry this same decision) keep owning the rest of the Deployment.
-                await client.apply(KINDS["Deployment"], namespace, name, {
-                    "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                await client.apply(kind, namespace, name, {
+                    "apiVersion": kind.api_version, "kind": workload["kind"],
+                    "metadata": {"name": name, "namespace": namespace},
                     "spec": {"replicas": decision.desired_replicas}}, field_manager=FIELD_MANAGER)
                 state.last_scale_time = now
         if decision.changed:

@@ -21,3 +21,22 @@ def load(path: Path) -> dict[str, Any]:
 
 def example_paths() -> list[Path]:
     return sorted(EXAMPLES.glob("*.yaml"))
+
+
+def pod_templates(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Deployment's pod template, or a LeaderWorkerSet's leader and worker templates (in that order)."""
+    if workload["kind"] == "LeaderWorkerSet":
+        templates = workload["spec"]["leaderWorkerTemplate"]
+        return [templates["leaderTemplate"], templates["workerTemplate"]]
+    return [workload["spec"]["template"]]
+
+
+def as_pod_templates(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workload itself, or for a LeaderWorkerSet (a CRD kind kubernetes-validate does not know) each of
+    its templates as a core/v1 PodTemplate, which kubernetes-validate checks against the Kubernetes schema."""
+    if workload["kind"] != "LeaderWorkerSet":
+        return [workload]
+    meta = workload["metadata"]
+    return [{"apiVersion": "v1", "kind": "PodTemplate",
+             "metadata": {"name": f"{meta['name']}-{role}", "namespace": meta["namespace"]}, "template": t}
+            for role, t in zip(("leader", "worker"), pod_templates(workload), strict=True)]

@@ -20,7 +20,7 @@ from decodeservice.operator.manifests import (
     Children,
     render,
 )
-from tests.operator.helpers import example_paths, load
+from tests.operator.helpers import as_pod_templates, example_paths, load, pod_templates
 from tests.operator.security import rbac_violations, restricted_violations
 
 K8S_VERSION = "1.37"
@@ -32,7 +32,7 @@ def minimal(**spec: Any) -> dict[str, Any]:
 
 
 def container(children: Children, name: str) -> dict[str, Any]:
-    spec = children.deployment["spec"]["template"]["spec"]
+    spec = pod_templates(children.workload)[0]["spec"]  # the serving pod (a LeaderWorkerSet's leader)
     return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name)
 
 
@@ -44,13 +44,16 @@ def flag(args: list[str], name: str) -> str | None:
 def test_every_example_renders_valid_secure_objects(path: Path) -> None:
     children = render(load(path))
     kinds = [o["kind"] for o in children.all()]
-    assert kinds[:3] == ["ConfigMap", "Service", "Deployment"]
+    multi_node = children.workload["spec"].get("leaderWorkerTemplate") is not None
+    assert kinds[:3] == ["ConfigMap", "Service", "LeaderWorkerSet" if multi_node else "Deployment"]
     for obj in children.all():
+        assert restricted_violations(obj) == [] and rbac_violations(obj) == []
         if obj["kind"] == "InferencePool":
             continue  # a CRD kind, not in kubernetes-validate: test_inference_pool.py checks it upstream's way
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        assert restricted_violations(obj) == [] and rbac_violations(obj) == []
-    pod = children.deployment["spec"]["template"]["spec"]
+        # A LeaderWorkerSet's templates as PodTemplates (test_multinode.py checks the LWS against its CRD).
+        for checked in as_pod_templates(obj) if obj is children.workload else [obj]:
+            kubernetes_validate.validate(checked, K8S_VERSION, strict=True)
+    pod = pod_templates(children.workload)[0]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["engine", "proxy"]
     proxy = container(children, "proxy")
     assert proxy["args"][:3] == ["proxy", "--upstream", "http://127.0.0.1:8001"]
@@ -95,7 +98,7 @@ def test_vllm_renders_the_openai_server_with_equivalent_flags() -> None:
     children = render(load(example_paths()[0].with_name("vllm-proxy.yaml")))
     engine = container(children, "engine")
     assert engine["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-    assert engine["image"] == "vllm/vllm-openai:v0.9.2"
+    assert engine["image"] == "vllm/vllm-openai:v0.11.0"
     args = engine["args"]
     assert "--enable-prefix-caching" in args
     assert flag(args, "--max-num-seqs") == "128" and flag(args, "--gpu-memory-utilization") == "0.9"

@@ -16,7 +16,7 @@ import yaml
 from decodeservice.operator.engines import COMPLETE_MARKER, HF_DOWNLOAD
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.manifests import DEFAULT_CUDA_IMAGE, DEFAULT_IMAGE, BuildOptions, Children, render
-from tests.operator.helpers import CHART, ROOT, example_paths, load
+from tests.operator.helpers import CHART, ROOT, as_pod_templates, example_paths, load, pod_templates
 from tests.operator.schema import validate
 
 K8S_VERSION = "1.37"
@@ -95,12 +95,15 @@ def _floor(version: str) -> tuple[int, int]:
 def test_the_chart_floor_allows_the_rendered_prestop_form() -> None:
     floor = _floor(yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"])
     for path in example_paths():
-        for c in pod(render(load(path)))["containers"]:
-            if "sleep" in c["lifecycle"]["preStop"]:
-                assert floor >= (1, 30), "preStop.sleep needs Kubernetes 1.30 (PodLifecycleSleepAction)"
-        for obj in render(load(path)).all():
+        children = render(load(path))
+        for template in pod_templates(children.workload):
+            for c in template["spec"]["containers"]:
+                if "sleep" in (c.get("lifecycle") or {}).get("preStop", {}):
+                    assert floor >= (1, 30), "preStop.sleep needs Kubernetes 1.30 (PodLifecycleSleepAction)"
+        for obj in children.all():
             if obj["kind"] != "InferencePool":
-                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+                for checked in as_pod_templates(obj):  # a LeaderWorkerSet's templates as PodTemplates
+                    kubernetes_validate.validate(checked, K8S_VERSION, strict=True)
 
 
 def test_gpu_pods_run_the_cuda_image_and_the_rest_the_cpu_one() -> None:

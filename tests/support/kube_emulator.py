@@ -30,6 +30,7 @@ DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PDBS = "policy/v1/poddisruptionbudgets"
+LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
@@ -182,3 +183,13 @@ def declare_resources(server: KubernetesEmulator) -> None:
     server.resources["v1/namespaces"] = ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
+
+
+def serve_leader_worker_sets(server: KubernetesEmulator) -> None:
+    """Serve the LeaderWorkerSet API, as a cluster with LWS installed does (declare_resources leaves it out,
+    as a cluster without LWS answers 404). Nothing here runs the LWS controller: tests write the status it
+    would (replicas, readyReplicas, updatedReplicas, conditions) through the status subresource, and the
+    emulator neither validates nor defaults an LWS (tests/operator/test_multinode.py validates it against
+    the vendored upstream CRD)."""
+    server.resources[LWS] = ResourceInfo(kind="LeaderWorkerSet", namespaced=True, verbs=VERBS,
+                                         shortnames={"lws"}, subresources={"status", "scale"})

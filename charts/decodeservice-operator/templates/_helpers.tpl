@@ -80,4 +80,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "create", "patch", "delete"]
+# resources.nodes > 1: each replica is a LeaderWorkerSet group (applied like the Deployment; the one of a
+# service that went back to one node is deleted). The autoscaler reads and applies its replicas.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
