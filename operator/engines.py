@@ -186,6 +186,11 @@ def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
 # (restartPolicy RecreateGroupOnPodRestart).
 RAY_PORT = 6379
 RAY_JOIN_TIMEOUT_SECONDS = 900
+# Ray's object store lives in /dev/shm, a 2 GiB memory emptyDir in our pods; by default Ray sizes it at 30%
+# of the node's memory and, finding /dev/shm smaller, falls back to /tmp (1 GiB, and counted as the pod's
+# disk). vLLM passes little through it (tensors go over NCCL): 1 GiB, inside /dev/shm.
+RAY_OBJECT_STORE_BYTES = 1 << 30
+_RAY_FLAGS = f"--disable-usage-stats --object-store-memory={RAY_OBJECT_STORE_BYTES}"
 _RAY_WAIT = (
     "import sys, time, ray; want, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]); "
     "ray.init(address=\"auto\", logging_level=\"ERROR\")\n"
@@ -195,13 +200,13 @@ _RAY_WAIT = (
 )
 RAY_LEADER_SCRIPT = (
     "set -eu\n"
-    f"ray start --head --port={RAY_PORT} --disable-usage-stats\n"
+    f"ray start --head --port={RAY_PORT} {_RAY_FLAGS}\n"
     f"python3 -c '{_RAY_WAIT}' \"$LWS_GROUP_SIZE\" {RAY_JOIN_TIMEOUT_SECONDS}\n"
     "exec python3 -m vllm.entrypoints.openai.api_server \"$@\"\n"
 )
 RAY_WORKER_SCRIPT = (
     f"for i in $(seq 1 {RAY_JOIN_TIMEOUT_SECONDS // 5}); do\n"
-    "  ray start --address=\"$1\" --block --disable-usage-stats && exit 0\n"
+    f"  ray start --address=\"$1\" --block {_RAY_FLAGS} && exit 0\n"
     "  echo \"waiting for the Ray head at $1\"; sleep 5\n"
     "done\n"
     "exit 1\n"

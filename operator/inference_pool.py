@@ -4,9 +4,10 @@ An InferencePool (`inference.networking.k8s.io/v1`) tells a Gateway which pods s
 endpoint picker (EPP) scrapes each pod's `/metrics` on the pool's target port and routes every request
 to the least loaded pod. llm-d and KServe users route this way.
 
-- selector: the Deployment's own selector labels (name + instance). They never change with the spec, so
-  a rollout keeps every pod in the pool, and they never include `pod-template-hash`, which differs per
-  ReplicaSet.
+- selector: the Deployment's own selector labels (name + instance); for a multi-node service, those
+  plus `decode.dev/role: leader` (manifests.serving_selector: only leaders run the proxy). They never
+  change with the rest of the spec, so a rollout keeps every pod in the pool, and they never include
+  `pod-template-hash`, which differs per ReplicaSet.
 - targetPorts: the proxy's port only. The picker must see the proxy's view of each pod (the proxy sheds
   and queues in front of the engine), and requests must go through the proxy's SLO policies. The proxy
   relays the engine's `vllm:*` series on that port (the picker reads `vllm:num_requests_waiting`,

@@ -299,8 +299,11 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         "spec": pod_spec,
     }
     if multi_node(v):
-        worker = {"metadata": {"labels": {**v.spec.pod.labels, **labels}, "annotations": dict(v.spec.pod.annotations)},
-                  "spec": worker_pod_spec(pod_spec, pod_spec["containers"][0])}
+        # No prometheus.io annotations: a worker has no proxy to scrape (and no empty map, which a server may drop).
+        worker_meta: dict[str, Any] = {"labels": {**v.spec.pod.labels, **labels}}
+        if v.spec.pod.annotations:
+            worker_meta["annotations"] = dict(v.spec.pod.annotations)
+        worker = {"metadata": worker_meta, "spec": worker_pod_spec(pod_spec, pod_spec["containers"][0])}
         workload = build_leader_worker_set(name=name, namespace=namespace, v=v, labels=labels, replicas=replicas,
                                            leader=template, worker=worker)
     else:

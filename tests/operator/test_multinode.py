@@ -33,6 +33,7 @@ from decodeservice.operator.autoscaler.scrape import ScrapeSettings
 from decodeservice.operator.engines import RAY_LEADER_SCRIPT, RAY_PORT, RAY_WORKER_SCRIPT
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.leader_worker_set import LEADER, ROLE_LABEL, WORKER
+from decodeservice.operator.local_pod import LocalPodError, plan_local_pod
 from decodeservice.operator.manifests import Children, build_children, render, selector_labels
 from decodeservice.operator.spec import validate_spec
 from tests.operator.conftest import Cluster, run_operator
@@ -175,7 +176,7 @@ def test_the_leader_serves_vllm_over_ray_and_the_workers_join_it() -> None:
     assert {v["name"] for v in lspec["volumes"]} - {v["name"] for v in wspec["volumes"]} == {"policy"}
     # Only the leader is scraped (the proxy's /metrics); both carry the service's labels and a role.
     assert "prometheus.io/scrape" in leader["metadata"]["annotations"]
-    assert "prometheus.io/scrape" not in worker["metadata"]["annotations"]
+    assert "prometheus.io/scrape" not in worker["metadata"].get("annotations", {})
     assert leader["metadata"]["labels"][ROLE_LABEL] == LEADER and worker["metadata"]["labels"][ROLE_LABEL] == WORKER
 
 
@@ -203,6 +204,11 @@ def test_one_node_is_the_deployment_as_before() -> None:
     assert flag(args, "--tensor-parallel-size") == "8" and "--pipeline-parallel-size" not in args
     assert "--distributed-executor-backend" not in args
     assert children.service["spec"]["selector"] == selector_labels("big")
+
+
+def test_decodectl_up_refuses_a_multi_node_service(tmp_path: Path) -> None:
+    with pytest.raises(LocalPodError, match="single-node services only"):
+        plan_local_pod(render(load(EXAMPLE)), workdir=tmp_path, ports={8000: 18000, 8001: 18001})
 
 
 def test_multinode_needs_vllm_and_a_short_name() -> None:
@@ -279,7 +285,8 @@ def test_the_leader_script_starts_the_head_waits_for_the_group_then_serves(tmp_p
     run = subprocess.run([*engine["command"], *args], env=env, capture_output=True, text=True, timeout=60,
                          check=False)
     assert run.returncode == 0, run.stderr
-    assert Path(env["RAY_LOG"]).read_text() == f"ray start --head --port={RAY_PORT} --disable-usage-stats\n"
+    assert Path(env["RAY_LOG"]).read_text() == (f"ray start --head --port={RAY_PORT} --disable-usage-stats "
+                                                f"--object-store-memory={1 << 30}\n")
     # ray.nodes() was asked until both pods of the group were alive: one wait, then vLLM.
     assert "1/2 Ray nodes joined; waiting" in run.stdout
     served = [line for line in run.stdout.splitlines() if line.startswith("VLLM ")]
@@ -304,7 +311,8 @@ def test_the_worker_script_retries_until_the_head_answers(tmp_path: Path) -> Non
                          check=False)
     assert run.returncode == 0, run.stderr
     calls = Path(env["RAY_LOG"]).read_text().splitlines()
-    assert calls == [f"ray start --address={address} --block --disable-usage-stats"] * 3
+    assert calls == [f"ray start --address={address} --block --disable-usage-stats "
+                     f"--object-store-memory={1 << 30}"] * 3
     assert run.stdout.count("waiting for the Ray head") == 2
 
 
