@@ -350,6 +350,7 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     model.load_hf_weights(weights, int4=int4, weight_format=precision.weights, w8a8=config.w8a8)
     model.rotary.reset_tables(config.device)
     if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
+        model.share_step_rows()
         model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
                                                                              reason=precision.reason))
     return model.eval()

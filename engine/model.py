@@ -30,6 +30,8 @@ from decodeservice.engine.quant.linear import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
+    RowPlanned,
+    StepRows,
 )
 from decodeservice.engine.quant.w8a8 import quantize_int8
 
@@ -242,6 +244,8 @@ class LlamaModel(nn.Module):
             head.weight = embed.weight
         self.lm_head: Projection = head
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors)
+        # What the running step holds, for the quantized modules' row plans (set by the runner).
+        self.step_rows = StepRows()
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -252,6 +256,12 @@ class LlamaModel(nn.Module):
     def weight_format(self) -> str:
         head = self.lm_head
         return "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, Int8Linear) else "none"
+
+    def share_step_rows(self) -> None:
+        """Point every quantized module at this model's StepRows."""
+        for module in self.modules():
+            if isinstance(module, RowPlanned):
+                module.step_rows = self.step_rows
 
     def tie_weights(self) -> None:
         """Point a plain tied head at the embedding again (after `to_empty`, which unties them)."""

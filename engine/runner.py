@@ -107,7 +107,13 @@ class ModelRunner:
             return _split(logits, [1] * logits.shape[0], plan)
         batch, row_counts = self.build_batch(plan.scheduled)
         forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
-        hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
+        # Prompt chunks only (no sequence decodes or verifies its last token): see linear.StepRows.
+        self.model.step_rows.prompt_only = all(
+            item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in plan.scheduled)
+        try:
+            hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
+        finally:
+            self.model.step_rows.prompt_only = False
         return _split(self.model.compute_logits(hidden), row_counts, plan)
 
     def _warm_up(self) -> None:
@@ -116,7 +122,7 @@ class ModelRunner:
         Each row writes its K/V into block 0, which is free: whoever gets it writes its own K/V before
         attention reads any."""
         plan = self.model.kernel_plan
-        thresholds = {t for shape in (plan.shapes.values() if plan else ()) for t in (shape.w8a8_from, shape.dense_from)
+        thresholds = {t for shape in (plan.shapes.values() if plan else ()) for t in (shape.w8a8_from, shape.mixed_dense_from)
                       if t is not None and 2 < t <= MAX_ROWS}
         for rows in (1, 2, *sorted(thresholds)):
             scheduled = [

@@ -34,6 +34,11 @@ OWNERS = {
 INDIRECT = {
     "kubernetes": ("decodeservice.operator.kube", "kopf.login_via_client"),
     "uvloop": ("decodeservice.proxy.serve", "uvloop"),  # uvicorn's loop="auto" picks it
+    "ninja": ("decodeservice.engine.quant.native", "torch.utils.cpp_extension"),  # it runs the ninja binary
+}
+# Imports in code that runs only in a peer's image, never in ours: not our dependencies.
+PEER_IMAGE_IMPORTS = {
+    "ray": "vLLM's image: a multi-node leader waits for its Ray workers (operator/engines.py)",
 }
 
 
@@ -108,7 +113,7 @@ def _providers() -> dict[str, list[str]]:
 def distribution(name: str) -> str | None:
     """The distribution an import name comes from; None for the stdlib and for our own code."""
     top = name.split(".")[0]
-    if top in sys.stdlib_module_names or top == "decodeservice":
+    if top in sys.stdlib_module_names or top == "decodeservice" or top in PEER_IMAGE_IMPORTS:
         return None
     dists = _providers().get(top)
     assert dists, f"import {name!r}: no installed distribution provides it"

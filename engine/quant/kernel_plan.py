@@ -36,27 +36,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
-from decodeservice.engine.quant.linear import KERNEL_DTYPE, RowPlanned
+from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4Linear, RowPlanned
+from decodeservice.engine.quant.native import dequant_extension
 
 log = logging.getLogger("decodeservice.engine.kernels")
 
 DENSE_LADDER = (16, 32, 64, 128, 256, 512)  # prompt chunks reach max_num_batched_tokens (512 by default)
 W8A8_LADDER = (2, 4, 6, 8, 12, 16, 32, 64)
-# The dense path is for prompt chunks only: a decode batch or a verify (compiled_step.MAX_ROWS rows at
-# most, tested to stay below this) keeps the weight-only kernel whatever its size, so that a stream's
-# greedy tokens do not change with the batch it decodes in and speculation stays exact against plain
-# decoding. Measured crossovers (64-256 rows) sit near this floor anyway.
-DENSE_MIN_ROWS = 65
 HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
 # Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
 # outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
 WEIGHT_ONLY_TOLERANCE, W8A8_TOLERANCE = 0.03, 0.08
 CHECK_ROWS = 64  # output rows compared per module, spread over the matrix
+# The native dequantization rounds once where torch's bf16 ops round after each of three: a bf16 ulp
+# apart at most; in fp32 only a fused multiply-add's last bit.
+NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 # A CPU that reports native bf16 runs fp32 only if its bf16 GEMM is this much slower than fp32: hardware
 # bf16 measures ~0.2x fp32 here (AMX), emulated ~10x (oneDNN capped at AVX2), and a loaded 2-core machine
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
-PLAN_VERSION = 2  # 2: dense thresholds floored at DENSE_MIN_ROWS
+PLAN_VERSION = 4  # 3: dense thresholds as measured (the floor for mixed steps applies at the call); 4: native dequant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,9 +68,14 @@ class ActivationChoice:
 class ShapePlan:
     """One projection shape's thresholds, with the timings (ms, per rung) that chose them."""
 
-    dense_from: int | None
+    dense_from: int | None  # as measured: for prompt-only steps (linear.StepRows)
     w8a8_from: int | None
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @property
+    def mixed_dense_from(self) -> int | None:
+        """Where a step with decode or verify rows in it leaves the weight-only kernel."""
+        return None if self.dense_from is None else max(self.dense_from, DENSE_MIN_ROWS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +85,7 @@ class KernelPlan:
     shapes: dict[str, ShapePlan]  # by shape key (see _shape_key)
     source: str  # "measured" or the cache file it came from
     fallbacks: tuple[str, ...]  # "module: path turned off (error)" for each failed self-check
+    native_dequant: bool  # the dense path dequantizes with native.py's C++ kernel (where it checked out)
     seconds: float
 
     def describe(self) -> dict[str, Any]:
@@ -90,7 +95,9 @@ class KernelPlan:
             "activations": str(self.activations.dtype).removeprefix("torch."),
             "activations_reason": self.activations.reason,
             "weight_only_kernel_rows": str(KERNEL_DTYPE).removeprefix("torch."),
-            "rows": {key: {"dense_from": p.dense_from, "w8a8_from": p.w8a8_from} for key, p in self.shapes.items()},
+            "native_dequant": self.native_dequant,
+            "rows": {key: {"dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
+                           "w8a8_from": p.w8a8_from} for key, p in self.shapes.items()},
             "source": self.source,
             "self_check_fallbacks": list(self.fallbacks),
             "plan_seconds": round(self.seconds, 3),
@@ -147,7 +154,12 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
     groups: dict[str, list[str]] = {}
     for name, module in modules.items():
         groups.setdefault(_shape_key(module, head=name.endswith("lm_head")), []).append(name)
-    cache = _cache_path(cache_dir, cpu, activations.dtype, sorted(groups))
+    # Before the measurement, so the dense path is timed with the dequantization it will run.
+    native = dequant_extension() if any(isinstance(m, Int4Linear) for m in modules.values()) else None
+    for module in modules.values():
+        if isinstance(module, Int4Linear):
+            module.native_dequant = native
+    cache = _cache_path(cache_dir, cpu, activations.dtype, [*sorted(groups), f"native dequant {native is not None}"])
     shapes = _read_cache(cache)
     source = str(cache) if shapes is not None else "measured"
     if shapes is None:
@@ -164,7 +176,7 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
             modules[name].set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
             fallbacks += self_check(name, modules[name], dtype=activations.dtype)
     plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
-                      seconds=time.perf_counter() - started)
+                      native_dequant=native is not None, seconds=time.perf_counter() - started)
     for line in fallbacks:
         log.warning("kernel self-check failed, falling back: %s", line)
     described = plan.describe()
@@ -182,6 +194,12 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
     index = torch.unique_consecutive(index)
     reference = F.linear(x, module.dense_weight(torch.float32, index))  # (8, len(index)) fp32
     failed: list[str] = []
+    if isinstance(module, Int4Linear) and module.native_dequant is not None:
+        native = module.dense_weight(dtype)[index].float()
+        error = _relative_error(native, module.torch_dense_weight(dtype, index).float())
+        if not error < (NATIVE_TOLERANCE if dtype != torch.float32 else NATIVE_TOLERANCE_FP32):
+            failed.append(f"{name}: native dequantization off (relative error {error:.3g} against the torch path)")
+            module.native_dequant = None
     error = _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
     if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
         failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
@@ -218,8 +236,7 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool) -> ShapePlan
             timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
             w8a8_from = _first_win(timings["w8a8"], timings["weight_only_small"])
     dense_from = _first_win(timings["dense"], timings["weight_only"])
-    return ShapePlan(dense_from=None if dense_from is None else max(dense_from, DENSE_MIN_ROWS), w8a8_from=w8a8_from,
-                     timings_ms=timings)
+    return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings)
 
 
 def _race(incumbent: Callable[[torch.Tensor], Callable[[], object]],

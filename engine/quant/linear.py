@@ -9,11 +9,15 @@ activations are fp32 (a CPU without native bf16, see kernel_plan.py) the rows ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from decodeservice.engine.quant.int4 import Int4Weight, unpack_nibbles
+from decodeservice.engine.quant.native import dequantize_int4
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
 
 
@@ -32,6 +36,21 @@ KERNEL_DTYPE = torch.bfloat16
 # Row thresholds before the engine plans this machine's kernels (engine/quant/kernel_plan.py measures
 # and sets each module's own at start-up); a module built outside an engine keeps these.
 DENSE_ROWS = 256
+# Below this many rows the dense path takes prompt-only steps alone: a decode batch or a verify
+# (compiled_step.MAX_ROWS rows at most, tested to stay below this) keeps the weight-only kernel
+# whatever its size, so that a stream's greedy tokens do not change with the batch it decodes in and
+# speculation stays exact against plain decoding.
+DENSE_MIN_ROWS = 65
+
+
+@dataclass
+class StepRows:
+    """What the forward running now holds, shared by a model's quantized modules (LlamaModel.step_rows,
+    set by the runner every step). `prompt_only`: prompt rows only, no decode or verify row, so the
+    dense path may take a chunk of fewer than DENSE_MIN_ROWS rows (a prompt's last chunk, often short)
+    where it measured faster: no decoded token's numerics depend on it."""
+
+    prompt_only: bool = False
 # Quantized buffers are not persistent: no state_dict round trip needs them, and the model's loader
 # checks that every persistent tensor was loaded.
 
@@ -44,12 +63,15 @@ class RowPlanned(nn.Module):
     - a dense GEMM on weights dequantized from the project's own codes from `dense_from` rows (prompt
       chunks: the kernel dequantizes per block of rows, so its cost grows with rows much faster).
 
-    The thresholds are this machine's, set by the kernel plan; `None` turns a path off."""
+    The thresholds are this machine's, set by the kernel plan; `None` turns a path off. `dense_from`
+    applies as is to prompt-only steps and from DENSE_MIN_ROWS to the others; 1 sends every call to the
+    dense path (the weight-only kernel failed its self-check)."""
 
     in_features: int
     out_features: int
     dense_from: int | None
     w8a8_from: int | None
+    step_rows: StepRows = StepRows()  # a model's own once it shares one (LlamaModel.share_step_rows)
 
     def set_row_plan(self, *, dense_from: int | None, w8a8_from: int | None) -> None:
         self.dense_from = dense_from
@@ -68,11 +90,18 @@ class RowPlanned(nn.Module):
         rows = flat.shape[0]
         if self.w8a8_from is not None and rows >= self.w8a8_from:
             out = self.w8a8(flat)
-        elif self.dense_from is not None and rows >= self.dense_from:
+        elif self.takes_dense(rows):
             out = F.linear(flat, self.dense_weight(flat.dtype))
         else:
             out = self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def takes_dense(self, rows: int) -> bool:
+        if self.dense_from is None:
+            return False
+        if self.dense_from == 1 or self.step_rows.prompt_only:
+            return rows >= self.dense_from
+        return rows >= max(self.dense_from, DENSE_MIN_ROWS)
 
     def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) bf16 -> (M, N) bf16 through torch's weight-only kernel."""
@@ -101,6 +130,9 @@ class Int4Linear(RowPlanned):
     codes: torch.Tensor
     w8a8_codes: torch.Tensor | None
     w8a8_scales: torch.Tensor | None
+    # The fused C++ dequantization (native.py), where the kernel plan built it and it passed the
+    # module's self-check; None: torch's elementwise ops.
+    native_dequant: ModuleType | None = None
 
     def __init__(self, weight: Int4Weight, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
         super().__init__()
@@ -141,6 +173,12 @@ class Int4Linear(RowPlanned):
         return w8a8_mm(flat, self.w8a8_codes, self.w8a8_scales)
 
     def dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is None and self.native_dequant is not None:
+            return dequantize_int4(self.codes, self.scale_zeros, self.group_size, dtype, module=self.native_dequant)
+        return self.torch_dense_weight(dtype, rows)
+
+    def torch_dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """dense_weight in torch's elementwise ops: the reference the native kernel is checked against."""
         k, g = self.in_features, self.group_size
         scale_zeros, packed = self.scale_zeros[:, : self.out_features], self.codes
         if rows is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
@@ -136,7 +137,9 @@ def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path:
     assert model.a.dense_from == model.b.dense_from == int4.dense_from
     described = plan.describe()
     json.dumps(described)  # what /v1/models serves
-    assert described["activations"] == "float32" and described["rows"]["Int4Linear 192x64"]["dense_from"] == int4.dense_from
+    rows = described["rows"]["Int4Linear 192x64"]
+    assert described["activations"] == "float32" and rows["dense_from_prompt_only"] == int4.dense_from
+    assert rows["dense_from"] == int4.mixed_dense_from
     # A second load reads the cache (no measurement), and still self-checks.
     (cached_file,) = tmp_path.glob("plan-*.json")
     again = plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path)
@@ -166,11 +169,51 @@ def test_w8a8_runs_only_where_the_int8_gemm_is_exact(tmp_path: Path) -> None:
         assert any("torch._int_mm is not exact" in line for line in plan.fallbacks)
 
 
-def test_the_dense_path_never_takes_a_decode_step(tmp_path: Path) -> None:
+def test_the_dense_path_takes_short_prompt_chunks_but_never_a_decode_step() -> None:
+    """A decode batch or verify keeps the weight-only kernel below DENSE_MIN_ROWS whatever the plan
+    measured (a stream's tokens must not depend on its batch); a prompt-only step of as many rows goes
+    dense where that measured faster (the short last chunk of a prompt)."""
     from decodeservice.engine.compiled_step import MAX_ROWS
-    from decodeservice.engine.quant.kernel_plan import DENSE_MIN_ROWS
+    from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, StepRows
 
     assert DENSE_MIN_ROWS > MAX_ROWS
-    plan = plan_kernels(TwoLayers(), activations=ActivationChoice(dtype=torch.float32, reason="test"),
-                        cache_dir=tmp_path)
-    assert all(p.dense_from is None or p.dense_from >= DENSE_MIN_ROWS for p in plan.shapes.values())
+    module = Int4Linear(quantize_int4(gaussian(192, 64, 8)), dtype=torch.float32)
+    module.step_rows = StepRows()
+    module.set_row_plan(dense_from=16, w8a8_from=None)  # as a plan that measured dense faster from 16 rows
+    x = gaussian(MAX_ROWS, 64, 9)
+    weight_only = module.weight_only(x.to(torch.bfloat16)).float()
+    dense = F.linear(x, module.dense_weight(torch.float32))
+    assert not torch.equal(weight_only, dense)  # the two paths are told apart by their bits
+    assert torch.equal(module(x), weight_only)  # a decode step of MAX_ROWS rows: weight-only
+    module.step_rows.prompt_only = True
+    assert torch.equal(module(x), dense)  # the same rows as a prompt chunk: dense
+    assert torch.equal(module(x[:15]), module.weight_only(x[:15].to(torch.bfloat16)).float())  # below the plan's 16
+    module.step_rows.prompt_only = False
+    module.set_row_plan(dense_from=1, w8a8_from=None)  # the kernel failed its self-check: everything dense
+    assert torch.equal(module(x[:1]), F.linear(x[:1], module.dense_weight(torch.float32)))
+
+
+def test_the_runner_marks_prompt_only_steps(tmp_path: Path) -> None:
+    """What the runner tells the modules, step by step, on a tiny int4 model."""
+    from decodeservice.engine import Engine, SamplingParams
+    from decodeservice.engine.quant.linear import StepRows
+    from tests.engine.test_loader import write_tiny_gguf
+
+    path, _, _ = write_tiny_gguf(tmp_path / "t.gguf", tied=True)
+    engine = Engine.from_pretrained(str(path), quantization="int4", kv_cache_gib=0.01, max_num_batched_tokens=16)
+    model = engine.model
+    assert all(m.step_rows is model.step_rows for m in model.modules() if isinstance(m, Int4Linear))
+    told: list[bool] = []
+
+    class Recording(StepRows):
+        def __setattr__(self, name: str, value: bool) -> None:
+            told.append(value)
+            super().__setattr__(name, value)
+
+    model.step_rows = Recording()
+    model.share_step_rows()
+    told.clear()
+    engine.generate([[3, 4, 5, 6, 7] * 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    # 40 prompt tokens in chunks of 16: three prompt-only steps (the last, of 8 rows, samples the first
+    # token), then two decode steps; the flag is down again after every step
+    assert told == [True, False] * 3 + [False, False] * 2
