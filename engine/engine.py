@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from decodeservice.engine.attention import decode_matmul
+from decodeservice.engine.attention.context_plan import MatmulChoice, choose_min_context
+from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelConfig, SpeculativeConfig
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -74,6 +77,7 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, dtype=self.dtype, compile_step=config.compile,
                                   cuda_graphs=config.cuda_graphs)
+        self.attention_choice = self._choose_attention_path(model.config, config.block_size)
         self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.spec: SpeculativeDecoder | None = None
@@ -96,6 +100,20 @@ class Engine:
         self.generation_tokens_total = 0
 
     # -- construction ------------------------------------------------------------------------------
+    def _choose_attention_path(self, cfg: ModelConfig, block_size: int) -> MatmulChoice | None:
+        """On CPU with a bf16/fp16 KV cache: this machine's context length from which a decode leaves
+        the flash kernel for decode_matmul.py (attention/context_plan.py)."""
+        backend = self.runner.attention_backend
+        if not isinstance(backend, PagedViewsBackend) or self.dtype not in decode_matmul.DTYPES:
+            return None
+        choice = choose_min_context(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                    num_layers=cfg.num_layers, dtype=self.dtype, block_size=block_size)
+        backend.matmul_from = choice.min_context
+        log.info("attention: decodes over %s keys take the two GEMMs (%s; flash vs GEMM us per call: %s / %s)",
+                 f"{choice.min_context}+" if choice.min_context else "no number of", choice.source,
+                 choice.timings_us["flash"], choice.timings_us["matmul"])
+        return choice
+
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path = "smollm2-135m", **config: Any) -> Engine:
         """A known model name (pulled on first use), a .gguf file or a HF model directory."""

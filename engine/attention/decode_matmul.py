@@ -17,8 +17,10 @@ growing by one key per call as in decoding, CPU microseconds per layer, three re
 backends alternated step by step, 8-12 rounds of 4 steps, CPU ms per step, best / median): 27.1 / 29.8
 flash vs 29.1 / 32.2 GEMMs at 1k, 32.3 / 44.5 vs 31.4 / 38.4 at 1.5k, 40.9 / 51.8 vs 35.9 / 42.2 at 2k,
 62.4 / 72.5 vs 52.8 / 59.1 at 4k. So the GEMMs take over from `MIN_CONTEXT` keys, in reduced precision
-only: fp32 GEMMs of this shape were slower than the flash kernel. benchmarks/long_context.py repeats
-the A/B.
+only: fp32 GEMMs of this shape were slower than the flash kernel. That was one machine: an engine
+measures its own crossover at start-up (context_plan.py; on a later Xeon with torch 2.13 the flash
+kernel won up to 3k keys), and MIN_CONTEXT is only the default of a backend built outside an engine.
+benchmarks/long_context.py repeats the A/B.
 
 Precision: the scores leave the bf16 GEMM rounded to bf16 (the kernel accumulates in fp32), as SDPA's
 math path does; the softmax runs in fp32 and the probabilities are rounded to bf16 for the second
@@ -35,7 +37,7 @@ import torch
 from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
 from decodeservice.engine.kv_cache import cdiv
 
-MIN_CONTEXT = 1536  # keys; below this the flash kernel was as fast or faster in the engine
+MIN_CONTEXT = 1536  # keys; below this the flash kernel was as fast or faster (one machine: see above)
 # Query tokens (a decode is 1, a verify 1 + drafts): the GEMMs grow with H * Q rows and the kernel's
 # rows fill up. Per layer at 1.5k / 4k keys (as above, CPU us): flash vs GEMMs 509-541 vs 387-432 and
 # 1,288-1,447 vs 759-765 for Q = 1; 768-799 vs 639-646 and 1,840-1,909 vs 1,388-1,468 for Q = 5;

@@ -114,7 +114,7 @@ def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int,
             f"no native bf16 here (ATen {cpu.aten}, oneDNN cap {cpu.onednn_max_isa or 'none'}): fp32 activations "
             "and KV cache, bf16 only at the weight-only kernels' calls"))
     k, n = max(hidden, 1024), max(intermediate, 1024)
-    cache = _cache_path(cache_dir, cpu, torch.bfloat16, [f"activations {k}x{n}"], prefix="activations")
+    cache = plan_cache_path(cache_dir, cpu, torch.bfloat16, [f"activations {k}x{n}"], prefix="activations")
     try:
         raw = json.loads(cache.read_text())
         return ActivationChoice(dtype=getattr(torch, raw["dtype"]), reason=f"{raw['reason']} (cached: {cache})")
@@ -123,7 +123,7 @@ def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int,
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring activation choice cache %s: %s", cache, exc)
     choice = _measure_activations(k=k, n=n)
-    _write_json(cache, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason})
+    write_cached(cache, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason})
     return choice
 
 
@@ -159,7 +159,7 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
     for module in modules.values():
         if isinstance(module, Int4Linear):
             module.native_dequant = native
-    cache = _cache_path(cache_dir, cpu, activations.dtype, [*sorted(groups), f"native dequant {native is not None}"])
+    cache = plan_cache_path(cache_dir, cpu, activations.dtype, [*sorted(groups), f"native dequant {native is not None}"])
     shapes = _read_cache(cache)
     source = str(cache) if shapes is not None else "measured"
     if shapes is None:
@@ -234,8 +234,8 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool) -> ShapePlan
         w8a8_from = None
         if module.has_w8a8:
             timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
-            w8a8_from = _first_win(timings["w8a8"], timings["weight_only_small"])
-    dense_from = _first_win(timings["dense"], timings["weight_only"])
+            w8a8_from = first_win(timings["w8a8"], timings["weight_only_small"])
+    dense_from = first_win(timings["dense"], timings["weight_only"])
     return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings)
 
 
@@ -255,7 +255,7 @@ def _race(incumbent: Callable[[torch.Tensor], Callable[[], object]],
     return times
 
 
-def _first_win(challenger: dict[int, float], incumbent: dict[int, float]) -> int | None:
+def first_win(challenger: dict[int, float], incumbent: dict[int, float]) -> int | None:
     """The first rung from which `challenger` is faster at every rung measured above it."""
     first = None
     for rows in sorted(challenger):
@@ -288,7 +288,7 @@ def _shape_key(module: RowPlanned, *, head: bool) -> str:
     return f"{kind} {module.out_features}x{module.in_features}"
 
 
-def _cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,
+def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,
                 prefix: str = "plan") -> Path:
     identity = {"version": PLAN_VERSION, "cpu": cpu.model_name, "aten": cpu.aten, "onednn": cpu.onednn_max_isa,
                 "mkl": cpu.mkl_instructions, "flags": sorted(cpu.flags), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -314,10 +314,10 @@ def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
 
 
 def _write_cache(path: Path, shapes: dict[str, ShapePlan]) -> None:
-    _write_json(path, {"shapes": {key: asdict(p) for key, p in shapes.items()}})
+    write_cached(path, {"shapes": {key: asdict(p) for key, p in shapes.items()}})
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
+def write_cached(path: Path, value: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -18,8 +18,8 @@ from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.kernel_plan import (
     ActivationChoice,
-    _first_win,
     choose_activations,
+    first_win,
     plan_kernels,
     self_check,
 )
@@ -73,9 +73,9 @@ def test_the_bf16_verdict_is_measured_once_per_machine_then_read_back(tmp_path: 
 
 def test_the_first_win_is_the_start_of_the_last_winning_run() -> None:
     incumbent = {16: 1.0, 32: 2.0, 64: 4.0, 128: 8.0}
-    assert _first_win({16: 2.0, 32: 1.0, 64: 3.0, 128: 5.0}, incumbent) == 32
-    assert _first_win({16: 0.5, 32: 3.0, 64: 3.0, 128: 5.0}, incumbent) == 64  # a noisy early win does not count
-    assert _first_win({16: 2.0, 32: 3.0, 64: 5.0, 128: 9.0}, incumbent) is None
+    assert first_win({16: 2.0, 32: 1.0, 64: 3.0, 128: 5.0}, incumbent) == 32
+    assert first_win({16: 0.5, 32: 3.0, 64: 3.0, 128: 5.0}, incumbent) == 64  # a noisy early win does not count
+    assert first_win({16: 2.0, 32: 3.0, 64: 5.0, 128: 9.0}, incumbent) is None
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
