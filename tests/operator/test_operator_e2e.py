@@ -38,10 +38,12 @@ def owned_by(obj: dict[str, Any] | None, owner: dict[str, Any]) -> bool:
 
 async def test_create_makes_owned_children_and_status(operator: Cluster) -> None:
     await operator.create(smoke())
-    await operator.wait_for(lambda: operator.get(DEPLOYMENTS, "smoke"), what="Deployment")
+    children = ((DEPLOYMENTS, "smoke"), (SERVICES, "smoke"), (CONFIGMAPS, "smoke-policy"))
+    # one reconcile applies them in turn (ConfigMap, Deployment, Service): wait for the last, not the first
+    await operator.wait_for(lambda: all(operator.get(res, name) for res, name in children), what="children")
     ds = operator.get(DS, "smoke")
     assert ds is not None
-    for res, name in ((DEPLOYMENTS, "smoke"), (SERVICES, "smoke"), (CONFIGMAPS, "smoke-policy")):
+    for res, name in children:
         assert owned_by(operator.get(res, name), ds), f"{res}/{name} lacks the owner reference"
     assert operator.names(PDBS) == []  # one replica: no PDB
     ds = await operator.wait_for(lambda: operator.get(DS, "smoke") if condition(operator.get(DS, "smoke"), "Ready")
