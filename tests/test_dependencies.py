@@ -34,7 +34,7 @@ OWNERS = {
 INDIRECT = {
     "kubernetes": ("decodeservice.operator.kube", "kopf.login_via_client"),
     "uvloop": ("decodeservice.proxy.serve", "uvloop"),  # uvicorn's loop="auto" picks it
-    "ninja": ("decodeservice.engine.quant.native", "torch.utils.cpp_extension"),  # it runs the ninja binary
+    "ninja": ("decodeservice.engine.cpp_extensions", "torch.utils.cpp_extension"),  # it runs the ninja binary
 }
 # Imports in code that runs only in a peer's image, never in ours: not our dependencies.
 PEER_IMAGE_IMPORTS = {

@@ -3,8 +3,8 @@ measured on this machine at the model's attention shapes (bf16/fp16 KV caches on
 
 decode_matmul.MIN_CONTEXT (1536) was one machine's crossover; the GEMMs' advantage depends on the CPU's
 bf16 throughput, its caches and the thread count. So at start-up one decode query is timed both ways
-over a ladder of context lengths, each call reading another layer's pool (cold caches, as a decode step
-reads every layer in turn), interleaved, min of a few rounds. The threshold is the first
+over a ladder of context lengths, each call reading another layer's pool (colder caches, as a decode
+step reads every layer in turn; within a memory budget), interleaved, min of a few rounds. The threshold is the first
 rung from which the GEMMs win at every rung above; None (the flash kernel only) if they never do.
 Cached beside the kernel plans, keyed by CPU, threads, torch and shapes.
 """
@@ -29,9 +29,10 @@ from decodeservice.engine.quant.kernel_plan import first_win, plan_cache_path, w
 log = logging.getLogger("decodeservice.engine.kernels")
 
 CONTEXT_LADDER = (512, 1024, 1536, 2048, 3072, 4096)
-# Layers' pools read in turn, as many as the model has (up to 32): a decode step reads every layer's
-# K/V once, 90 MB at 4k keys for the bundled model, far past the caches; fewer pools would stay in L3.
-MAX_POOLS = 32
+# Layers' pools read in turn, as many as the model has, within a memory budget: a decode step reads
+# every layer's K/V once (90 MB at 4k keys for the bundled model), but start-up must not add that to
+# the engine's peak RSS. 32 MB is past every L2 and many L3s.
+POOL_BUDGET_BYTES = 32 << 20
 ROUNDS = 3
 
 
@@ -44,8 +45,7 @@ class MatmulChoice:
 
 def choose_min_context(*, num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,
                        block_size: int, cache_dir: Path | None = None) -> MatmulChoice:
-    pools = max(1, min(num_layers, MAX_POOLS))
-    shape = f"attention {num_heads}/{num_kv_heads}x{head_dim} x{pools} block {block_size}"
+    shape = f"attention {num_heads}/{num_kv_heads}x{head_dim} {num_layers} layers block {block_size}"
     cache = plan_cache_path(cache_dir, detect_cpu(), dtype, [shape], prefix="attention")
     try:
         raw = json.loads(cache.read_text())
@@ -57,7 +57,7 @@ def choose_min_context(*, num_heads: int, num_kv_heads: int, head_dim: int, num_
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring attention plan cache %s: %s", cache, exc)
     timings = _measure(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                       block_size=block_size, pools=pools)
+                       block_size=block_size, num_layers=num_layers)
     choice = MatmulChoice(min_context=first_win(timings["matmul"], timings["flash"]), timings_us=timings,
                           source="measured")
     write_cached(cache, {"min_context": choice.min_context, "timings_us": timings})
@@ -65,15 +65,17 @@ def choose_min_context(*, num_heads: int, num_kv_heads: int, head_dim: int, num_
 
 
 def _measure(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
-             pools: int) -> dict[str, dict[int, float]]:
+             num_layers: int) -> dict[str, dict[int, float]]:
     gen = torch.Generator().manual_seed(0)
-    longest = max(CONTEXT_LADDER)
-    layers = [(torch.randn(longest, num_kv_heads, head_dim, generator=gen).to(dtype),
-               torch.randn(longest, num_kv_heads, head_dim, generator=gen).to(dtype)) for _ in range(pools)]
     q = torch.randn(1, num_heads, head_dim, generator=gen).to(dtype)  # one decode query
+    element = torch.empty((), dtype=dtype).element_size()
     timings: dict[str, dict[int, float]] = {"flash": {}, "matmul": {}}
     with torch.inference_mode():
         for context in CONTEXT_LADDER:
+            pool_bytes = 2 * context * num_kv_heads * head_dim * element
+            layers = [(torch.randn(context, num_kv_heads, head_dim, generator=gen).to(dtype),
+                       torch.randn(context, num_kv_heads, head_dim, generator=gen).to(dtype))
+                      for _ in range(max(2, min(num_layers, POOL_BUDGET_BYTES // pool_bytes)))]
             calls = _paths(q, SlotRun(first_slot=0, length=context), block_size=block_size)
             best = dict.fromkeys(calls, float("inf"))
             for call in calls.values():
@@ -83,9 +85,10 @@ def _measure(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
                     start = time.perf_counter()
                     for k, v in layers:
                         call(k, v)
-                    best[name] = min(best[name], (time.perf_counter() - start) / pools * 1e6)
+                    best[name] = min(best[name], (time.perf_counter() - start) / len(layers) * 1e6)
             for name, us in best.items():
                 timings[name][context] = round(us, 1)
+            del layers
     return timings
 
 

@@ -10,9 +10,10 @@ import types
 import pytest
 import torch
 
+from decodeservice.engine.cpp_extensions import DISABLE_ENV
 from decodeservice.engine.quant import Int4Linear, quantize_int4
 from decodeservice.engine.quant.kernel_plan import ActivationChoice, plan_kernels, self_check
-from decodeservice.engine.quant.native import DISABLE_ENV, dequant_extension
+from decodeservice.engine.quant.native import dequant_extension
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:

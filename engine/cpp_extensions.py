@@ -1,0 +1,70 @@
+"""The engine's C++ kernels (engine/quant/dequant_int4.cpp, engine/attention/decode_attention.cpp), built
+with torch.utils.cpp_extension at first use and cached.
+
+Each is built for the ISA ATen dispatches to, never for the build machine: an AVX2-capped run
+(`ATEN_CPU_CAPABILITY=avx2`, as scripts/test.sh runs the quantized tests) builds AVX2 code, and the
+cache key holds the ISA, the source and torch's version, so a pod on another node type builds its own.
+A build that fails (no compiler) or a kernel that fails its check against the torch path is logged
+and left out: the torch path runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("decodeservice.engine.kernels")
+
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+DISABLE_ENV = "DECODESERVICE_NATIVE_KERNELS"  # "0": torch paths only (an A/B baseline, or a broken toolchain)
+
+
+def extension_dir() -> Path:
+    root = os.environ.get("DECODESERVICE_KERNEL_CACHE") or Path.home() / ".cache" / "decodeservice" / "kernels"
+    return Path(root) / "extensions"
+
+
+def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bool]) -> ModuleType | None:
+    """`source` built (or loaded from the cache) and checked; None where it is off, fails to build or
+    fails `check`, each logged."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ISA_FLAGS.get(capability.split()[0], []) if sys.platform.startswith("linux") else []
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
+    name = f"decodeservice_{source.stem}_{capability.lower()}_{digest[:12]}"
+    build = extension_dir() / name
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        # torch runs `ninja` from PATH; a venv that is not activated has its ninja beside its python.
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        module: ModuleType = load(name=name, sources=[str(source)], extra_cflags=["-O3", *flags],
+                                  build_directory=str(build), verbose=False)
+    except Exception as exc:  # any toolchain failure: compiler, headers, ninja, linker
+        log.warning("no native %s kernel (%s: %s); the torch path runs", what, type(exc).__name__, exc)
+        return None
+    try:
+        agrees = check(module)
+    except RuntimeError as exc:
+        log.warning("the native %s kernel failed its check (%s); the torch path runs", what, exc)
+        return None
+    if not agrees:
+        log.warning("the native %s kernel disagrees with the torch path here; the torch path runs", what)
+        return None
+    log.info("native %s kernel ready (%s, %s, %.1f s)", what, capability, " ".join(flags) or "no ISA flags",
+             time.perf_counter() - started)
+    return module
