@@ -35,13 +35,18 @@ def extension_dir() -> Path:
     return Path(root) / "extensions"
 
 
-def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bool]) -> ModuleType | None:
+def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bool],
+                    x86_intrinsics: bool = False) -> ModuleType | None:
     """`source` built (or loaded from the cache) and checked; None where it is off, fails to build or
-    fails `check`, each logged."""
+    fails `check`, each logged. `x86_intrinsics`: the source needs AVX2 and FMA, so it is built only
+    where ATen dispatches to AVX2 or AVX-512."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(capability.split()[0], []) if sys.platform.startswith("linux") else []
+    if x86_intrinsics and not flags:
+        log.info("no native %s kernel: it needs AVX2 (ATen dispatches to %s here)", what, capability)
+        return None
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
     name = f"decodeservice_{source.stem}_{capability.lower()}_{digest[:12]}"
     build = extension_dir() / name

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -37,13 +38,18 @@ from torch import nn
 
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4Linear, RowPlanned
-from decodeservice.engine.quant.native import dequant_extension
+from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension, int4_dot_matmul
 
 log = logging.getLogger("decodeservice.engine.kernels")
 
 DENSE_LADDER = (16, 32, 64, 128, 256, 512)  # prompt chunks reach max_num_batched_tokens (512 by default)
 W8A8_LADDER = (2, 4, 6, 8, 12, 16, 32, 64)
-HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
+HEAD_MAX_ROWS = 64
+DOT_ROWS = (1, 8)  # a decode and a verify: where the int8-dot kernel must win to replace torch's
+# ... by this much: its int8 activations cost accuracy (~1% per projection), so a tie goes to torch's
+# kernel. Measured at SmolLM2-135M's shapes, 1 thread: 0.57-0.6x torch's time under the AVX2 caps,
+# 0.98-1.1x with AVX-512 (torch's AVX-512 kernel is as fast).
+DOT_MARGIN = 0.8  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
 # Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
 # outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
 WEIGHT_ONLY_TOLERANCE, W8A8_TOLERANCE = 0.03, 0.08
@@ -55,7 +61,7 @@ NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 # bf16 measures ~0.2x fp32 here (AMX), emulated ~10x (oneDNN capped at AVX2), and a loaded 2-core machine
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
-PLAN_VERSION = 4  # 3: dense thresholds as measured (the floor for mixed steps applies at the call); 4: native dequant
+PLAN_VERSION = 5  # 3: dense thresholds as measured (the floor for mixed steps at the call); 4: native dequant; 5: int8 dot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +77,7 @@ class ShapePlan:
     dense_from: int | None  # as measured: for prompt-only steps (linear.StepRows)
     w8a8_from: int | None
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    int8_dot: bool = False  # weight-only calls take native.py's int8-dot kernel, not torch's
 
     @property
     def mixed_dense_from(self) -> int | None:
@@ -96,7 +103,8 @@ class KernelPlan:
             "activations_reason": self.activations.reason,
             "weight_only_kernel_rows": str(KERNEL_DTYPE).removeprefix("torch."),
             "native_dequant": self.native_dequant,
-            "rows": {key: {"dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
+            "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot else "torch int4",
+                           "dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
                            "w8a8_from": p.w8a8_from} for key, p in self.shapes.items()},
             "source": self.source,
             "self_check_fallbacks": list(self.fallbacks),
@@ -156,14 +164,16 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
         groups.setdefault(_shape_key(module, head=name.endswith("lm_head")), []).append(name)
     # Before the measurement, so the dense path is timed with the dequantization it will run.
     native = dequant_extension() if any(isinstance(m, Int4Linear) for m in modules.values()) else None
+    dot = int4_dot_extension() if any(isinstance(m, Int4Linear) and m.int8_dot_fits for m in modules.values()) else None
     for module in modules.values():
         if isinstance(module, Int4Linear):
             module.native_dequant = native
-    cache = plan_cache_path(cache_dir, cpu, activations.dtype, [*sorted(groups), f"native dequant {native is not None}"])
+    cache = plan_cache_path(cache_dir, cpu, activations.dtype, [*sorted(groups), f"native dequant {native is not None}",
+                                                                f"int8 dot {dot is not None}"])
     shapes = _read_cache(cache)
     source = str(cache) if shapes is not None else "measured"
     if shapes is None:
-        shapes = {key: _measure(modules[names[0]], dtype=activations.dtype, head=names[0].endswith("lm_head"))
+        shapes = {key: _measure(modules[names[0]], dtype=activations.dtype, head=names[0].endswith("lm_head"), dot=dot)
                   for key, names in groups.items()}
         _write_cache(cache, shapes)
     fallbacks: list[str] = []
@@ -173,7 +183,10 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
                   for key, p in shapes.items()}
     for key, names in groups.items():
         for name in names:
-            modules[name].set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
+            module = modules[name]
+            if isinstance(module, Int4Linear):
+                module.int8_dot = dot if shapes[key].int8_dot and module.int8_dot_fits else None
+            module.set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
             fallbacks += self_check(name, modules[name], dtype=activations.dtype)
     plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
                       native_dequant=native is not None, seconds=time.perf_counter() - started)
@@ -200,8 +213,13 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
         if not error < (NATIVE_TOLERANCE if dtype != torch.float32 else NATIVE_TOLERANCE_FP32):
             failed.append(f"{name}: native dequantization off (relative error {error:.3g} against the torch path)")
             module.native_dequant = None
+    if isinstance(module, Int4Linear) and module.int8_dot is not None:
+        error = _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
+        if not error < W8A8_TOLERANCE:  # int8 activations, as W8A8's
+            failed.append(f"{name}: int8-dot kernel off (relative error {error:.3g})")
+            module.int8_dot = None
     error = _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
-    if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
+    if not error < (W8A8_TOLERANCE if getattr(module, "int8_dot", None) is not None else WEIGHT_ONLY_TOLERANCE):
         failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
         module.set_row_plan(dense_from=1, w8a8_from=module.w8a8_from)
     if module.w8a8_from is not None:
@@ -216,7 +234,11 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value - reference).norm() / reference.norm().clamp_min(1e-12))
 
 
-def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool) -> ShapePlan:
+def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleType | None = None) -> ShapePlan:
+    int8_dot = isinstance(module, Int4Linear) and dot is not None and module.int8_dot_fits and _dot_wins(module, dot)
+    if isinstance(module, Int4Linear):
+        module.int8_dot = dot if int8_dot else None  # the dense path races the weight-only kernel it will meet
+
     def weight_only(x: torch.Tensor) -> Callable[[], object]:
         return lambda: module.weight_only(x.to(KERNEL_DTYPE))
 
@@ -236,7 +258,22 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool) -> ShapePlan
             timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
             w8a8_from = first_win(timings["w8a8"], timings["weight_only_small"])
     dense_from = first_win(timings["dense"], timings["weight_only"])
-    return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings)
+    return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings, int8_dot=int8_dot)
+
+
+def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
+    """The int8-dot kernel replaces torch's for every weight-only call (one kernel at every row count,
+    so a stream's tokens do not depend on its batch) only if it is clearly faster at one row and at eight."""
+    x = torch.randn(DOT_ROWS[-1], module.in_features, generator=torch.Generator().manual_seed(3)).to(KERNEL_DTYPE)
+
+    def native(rows: torch.Tensor) -> Callable[[], object]:
+        return lambda: int4_dot_matmul(rows, module.codes, module.scale_zeros, module=dot)
+
+    def stock(rows: torch.Tensor) -> Callable[[], object]:
+        return lambda: module.torch_weight_only(rows)
+
+    with torch.inference_mode():
+        return all(_time_ms(native(x[:rows])) < DOT_MARGIN * _time_ms(stock(x[:rows])) for rows in DOT_ROWS)
 
 
 def _race(incumbent: Callable[[torch.Tensor], Callable[[], object]],
@@ -302,7 +339,7 @@ def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dty
 def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
     try:
         raw = json.loads(path.read_text())
-        return {key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"],
+        return {key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"], int8_dot=bool(p["int8_dot"]),
                                timings_ms={path_: {int(r): float(ms) for r, ms in rungs.items()}
                                            for path_, rungs in p["timings_ms"].items()})
                 for key, p in raw["shapes"].items()}

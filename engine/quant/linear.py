@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodeservice.engine.quant.int4 import Int4Weight, unpack_nibbles
-from decodeservice.engine.quant.native import dequantize_int4
+from decodeservice.engine.quant.native import GROUP as DOT_GROUP
+from decodeservice.engine.quant.native import dequantize_int4, int4_dot_matmul
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
 
 
@@ -41,6 +42,7 @@ DENSE_ROWS = 256
 # whatever its size, so that a stream's greedy tokens do not change with the batch it decodes in and
 # speculation stays exact against plain decoding.
 DENSE_MIN_ROWS = 65
+DOT_MIN_WEIGHTS = 1 << 16
 
 
 @dataclass
@@ -104,7 +106,7 @@ class RowPlanned(nn.Module):
         return rows >= max(self.dense_from, DENSE_MIN_ROWS)
 
     def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
-        """(M, K) bf16 -> (M, N) bf16 through torch's weight-only kernel."""
+        """(M, K) bf16 -> (M, N) bf16 through the weight-only kernel (torch's, or native.py's int8 dot)."""
         raise NotImplementedError
 
     def w8a8(self, flat: torch.Tensor) -> torch.Tensor:
@@ -133,6 +135,9 @@ class Int4Linear(RowPlanned):
     # The fused C++ dequantization (native.py), where the kernel plan built it and it passed the
     # module's self-check; None: torch's elementwise ops.
     native_dequant: ModuleType | None = None
+    # The int8-dot C++ kernel for every weight-only call (native.py), where the kernel plan measured it
+    # faster than torch's at one row and at eight; None: torch's kernel.
+    int8_dot: ModuleType | None = None
 
     def __init__(self, weight: Int4Weight, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
         super().__init__()
@@ -163,7 +168,20 @@ class Int4Linear(RowPlanned):
     def has_w8a8(self) -> bool:
         return self.w8a8_codes is not None
 
+    @property
+    def int8_dot_fits(self) -> bool:
+        """The int8-dot kernel's shapes: groups of 32, an even number of them, an even number of outputs;
+        and a matrix large enough for a timing to mean something (a call on a tiny one is all overhead,
+        and the choice would follow the noise)."""
+        return (self.group_size == DOT_GROUP and self.in_features % (2 * DOT_GROUP) == 0 and self.out_features % 2 == 0
+                and self.in_features * self.out_features >= DOT_MIN_WEIGHTS)
+
     def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.int8_dot is not None:
+            return int4_dot_matmul(flat, self.codes, self.scale_zeros, module=self.int8_dot)
+        return self.torch_weight_only(flat)
+
+    def torch_weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, self.group_size, self.scale_zeros)
         return out[:, : self.out_features] if out.shape[1] != self.out_features else out

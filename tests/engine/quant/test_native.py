@@ -1,5 +1,5 @@
-"""engine/quant/native.py: the C++ dequantization is built here (g++ is on every machine of this
-project), agrees with the torch path it replaces, and is refused where it does not.
+"""engine/quant/native.py: the C++ dequantization and int8-dot kernels are built here (g++ is on every
+machine of this project), agree with the torch paths they replace, and are refused where they do not.
 
 Runs under the AVX2 caps of scripts/test.sh too, where the kernel is built again with AVX2 flags only."""
 
@@ -12,8 +12,8 @@ import torch
 
 from decodeservice.engine.cpp_extensions import DISABLE_ENV
 from decodeservice.engine.quant import Int4Linear, quantize_int4
-from decodeservice.engine.quant.kernel_plan import ActivationChoice, plan_kernels, self_check
-from decodeservice.engine.quant.native import dequant_extension
+from decodeservice.engine.quant.kernel_plan import W8A8_TOLERANCE, ActivationChoice, plan_kernels, self_check
+from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension, int4_dot_matmul
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -69,3 +69,59 @@ def test_self_check_turns_off_a_native_kernel_that_disagrees(extension: types.Mo
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, "0")
     assert dequant_extension.__wrapped__() is None  # the uncached function: the env is read per build
+
+
+@pytest.fixture(scope="module")
+def int8_dot() -> types.ModuleType:
+    module = int4_dot_extension()
+    if module is None:
+        pytest.skip("the int8-dot kernel needs AVX2 (ATen dispatches below it here)")
+    return module
+
+
+@pytest.mark.parametrize("shape", [(192, 128), (64, 576), (1000, 1536)])
+def test_int8_dot_kernel_is_as_close_as_w8a8_and_batch_invariant(int8_dot: types.ModuleType,
+                                                                  shape: tuple[int, int]) -> None:
+    n, k = shape
+    module = Int4Linear(quantize_int4(gaussian(n, k, n)))
+    x = gaussian(33, k, k).to(torch.bfloat16)
+    reference = x.float() @ module.torch_dense_weight(torch.float32).t()
+    batch = int4_dot_matmul(x, module.codes, module.scale_zeros, module=int8_dot)
+    error = float((batch.float() - reference).norm() / reference.norm())
+    assert error < W8A8_TOLERANCE and error > 0  # int8 activations: close, not exact
+    # Every row the same bits whatever the batch it came in: decode, verify and batch agree.
+    for rows in (1, 3, 4, 5, 9):
+        assert torch.equal(int4_dot_matmul(x[:rows].contiguous(), module.codes, module.scale_zeros,
+                                           module=int8_dot), batch[:rows])
+
+
+def test_int8_dot_kernel_refuses_shapes_it_cannot_run(int8_dot: types.ModuleType) -> None:
+    odd_groups = Int4Linear(quantize_int4(gaussian(64, 96, 1)))  # 3 groups of 32
+    assert not odd_groups.int8_dot_fits
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        int4_dot_matmul(gaussian(1, 96, 2), odd_groups.codes, odd_groups.scale_zeros, module=int8_dot)
+
+
+def test_self_check_turns_off_an_int8_dot_kernel_that_disagrees(int8_dot: types.ModuleType) -> None:
+    class Shifted:  # the real kernel on the wrong rows' codes
+        @staticmethod
+        def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor) -> None:
+            int8_dot.int4_matmul(x, codes.roll(1, dims=0).contiguous(), scale_zeros, out)
+
+    module = Int4Linear(quantize_int4(gaussian(128, 64, 7)), dtype=torch.float32)
+    module.int8_dot = Shifted  # type: ignore[assignment]
+    failed = self_check("layers.1.self_attn.o_proj", module, dtype=torch.float32)
+    assert failed and "int8-dot kernel off" in failed[0] and module.int8_dot is None
+    assert failed == [failed[0]]  # torch's kernel, now in use again, passes
+
+
+def test_the_plan_takes_the_int8_dot_kernel_only_where_it_measured_faster(int8_dot: types.ModuleType,
+                                                                          tmp_path: object) -> None:
+    model = torch.nn.Module()
+    model.proj = Int4Linear(quantize_int4(gaussian(1536, 576, 8)))
+    plan = plan_kernels(model, activations=ActivationChoice(dtype=torch.bfloat16, reason="test"),
+                        cache_dir=tmp_path)  # type: ignore[arg-type]
+    (shape,) = plan.shapes.values()
+    assert (model.proj.int8_dot is int8_dot) == shape.int8_dot
+    assert plan.describe()["rows"]["Int4Linear 1536x576"]["weight_only"] == (
+        "int8 dot (native)" if shape.int8_dot else "torch int4")
