@@ -39,10 +39,15 @@ KERNEL_DTYPE = torch.bfloat16
 DENSE_ROWS = 256
 # Below this many rows the dense path takes prompt-only steps alone: a decode batch or a verify
 # (compiled_step.MAX_ROWS rows at most, tested to stay below this) keeps the weight-only kernel
-# whatever its size, so that a stream's greedy tokens do not change with the batch it decodes in and
-# speculation stays exact against plain decoding.
+# whatever its size, so that a stream's projections do not change with the batch it decodes in, and a
+# verify's rows project as their decodes would. (Attention still differs by rounding between a verify
+# and a decode in bf16: docs/performance.md#cpu-kernels-by-capability.)
 DENSE_MIN_ROWS = 65
+# Below this many weights a matrix's calls are all overhead, so timing the int8-dot kernel against
+# torch's would choose by noise: such matrices keep torch's kernel.
 DOT_MIN_WEIGHTS = 1 << 16
+# Quantized buffers are not persistent: no state_dict round trip needs them, and the model's loader
+# checks that every persistent tensor was loaded.
 
 
 @dataclass
@@ -53,8 +58,7 @@ class StepRows:
     where it measured faster: no decoded token's numerics depend on it."""
 
     prompt_only: bool = False
-# Quantized buffers are not persistent: no state_dict round trip needs them, and the model's loader
-# checks that every persistent tensor was loaded.
+
 
 
 class RowPlanned(nn.Module):
