@@ -11,8 +11,6 @@ Cached beside the kernel plans, keyed by CPU, threads, torch and shapes.
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +22,7 @@ from decodeservice.engine.attention import decode_matmul
 from decodeservice.engine.attention.metadata import SlotRun
 from decodeservice.engine.attention.paged_views import _prefix_piece
 from decodeservice.engine.quant.cpu import detect_cpu
-from decodeservice.engine.quant.kernel_plan import first_win, plan_cache_path, write_cached
-
-log = logging.getLogger("decodeservice.engine.kernels")
+from decodeservice.engine.quant.kernel_plan import first_win, plan_cache_path, read_cached, write_cached
 
 CONTEXT_LADDER = (512, 1024, 1536, 2048, 3072, 4096)
 # Layers' pools read in turn, as many as the model has, within a memory budget: a decode step reads
@@ -47,15 +43,11 @@ def choose_min_context(*, num_heads: int, num_kv_heads: int, head_dim: int, num_
                        block_size: int, cache_dir: Path | None = None) -> MatmulChoice:
     shape = f"attention {num_heads}/{num_kv_heads}x{head_dim} {num_layers} layers block {block_size}"
     cache = plan_cache_path(cache_dir, detect_cpu(), dtype, [shape], prefix="attention")
-    try:
-        raw = json.loads(cache.read_text())
-        return MatmulChoice(min_context=raw["min_context"], source=str(cache),
-                            timings_us={path: {int(n): float(us) for n, us in rungs.items()}
-                                        for path, rungs in raw["timings_us"].items()})
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring attention plan cache %s: %s", cache, exc)
+    cached = read_cached(cache, lambda raw: MatmulChoice(
+        min_context=raw["min_context"], source=str(cache),
+        timings_us={path: {int(n): float(us) for n, us in rungs.items()} for path, rungs in raw["timings_us"].items()}))
+    if cached is not None:
+        return cached
     timings = _measure(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                        block_size=block_size, num_layers=num_layers)
     choice = MatmulChoice(min_context=first_win(timings["matmul"], timings["flash"]), timings_us=timings,

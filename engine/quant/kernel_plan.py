@@ -27,10 +27,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,15 +41,16 @@ from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4
 from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension, int4_dot_matmul
 
 log = logging.getLogger("decodeservice.engine.kernels")
+T = TypeVar("T")
 
 DENSE_LADDER = (16, 32, 64, 128, 256, 512)  # prompt chunks reach max_num_batched_tokens (512 by default)
 W8A8_LADDER = (2, 4, 6, 8, 12, 16, 32, 64)
-HEAD_MAX_ROWS = 64
+HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
 DOT_ROWS = (1, 8)  # a decode and a verify: where the int8-dot kernel must win to replace torch's
 # ... by this much: its int8 activations cost accuracy (~1% per projection), so a tie goes to torch's
 # kernel. Measured at SmolLM2-135M's shapes, 1 thread: 0.57-0.6x torch's time under the AVX2 caps,
 # 0.98-1.1x with AVX-512 (torch's AVX-512 kernel is as fast).
-DOT_MARGIN = 0.8  # the head only sees sampled rows: a decode batch and its drafts, not prompt chunks
+DOT_MARGIN = 0.8
 # Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
 # outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
 WEIGHT_ONLY_TOLERANCE, W8A8_TOLERANCE = 0.03, 0.08
@@ -123,13 +124,10 @@ def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int,
             "and KV cache, bf16 only at the weight-only kernels' calls"))
     k, n = max(hidden, 1024), max(intermediate, 1024)
     cache = plan_cache_path(cache_dir, cpu, torch.bfloat16, [f"activations {k}x{n}"], prefix="activations")
-    try:
-        raw = json.loads(cache.read_text())
-        return ActivationChoice(dtype=getattr(torch, raw["dtype"]), reason=f"{raw['reason']} (cached: {cache})")
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("ignoring activation choice cache %s: %s", cache, exc)
+    raw = read_cached(cache, lambda raw: (getattr(torch, raw["dtype"]), str(raw["reason"])))
+    if raw is not None:
+        dtype, reason = raw
+        return ActivationChoice(dtype=dtype, reason=f"{reason} (cached: {cache})")
     choice = _measure_activations(k=k, n=n)
     write_cached(cache, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason})
     return choice
@@ -179,8 +177,7 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
     fallbacks: list[str] = []
     if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
         fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
-        shapes = {key: ShapePlan(dense_from=p.dense_from, w8a8_from=None, timings_ms=p.timings_ms)
-                  for key, p in shapes.items()}
+        shapes = {key: replace(p, w8a8_from=None) for key, p in shapes.items()}
     for key, names in groups.items():
         for name in names:
             module = modules[name]
@@ -207,21 +204,28 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
     index = torch.unique_consecutive(index)
     reference = F.linear(x, module.dense_weight(torch.float32, index))  # (8, len(index)) fp32
     failed: list[str] = []
+
+    def weight_only_error() -> float:
+        return _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
+
     if isinstance(module, Int4Linear) and module.native_dequant is not None:
         native = module.dense_weight(dtype)[index].float()
         error = _relative_error(native, module.torch_dense_weight(dtype, index).float())
         if not error < (NATIVE_TOLERANCE if dtype != torch.float32 else NATIVE_TOLERANCE_FP32):
             failed.append(f"{name}: native dequantization off (relative error {error:.3g} against the torch path)")
             module.native_dequant = None
+    dot_passed = False
     if isinstance(module, Int4Linear) and module.int8_dot is not None:
-        error = _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
-        if not error < W8A8_TOLERANCE:  # int8 activations, as W8A8's
+        error = weight_only_error()
+        dot_passed = error < W8A8_TOLERANCE  # int8 activations, as W8A8's
+        if not dot_passed:
             failed.append(f"{name}: int8-dot kernel off (relative error {error:.3g})")
-            module.int8_dot = None
-    error = _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
-    if not error < (W8A8_TOLERANCE if getattr(module, "int8_dot", None) is not None else WEIGHT_ONLY_TOLERANCE):
-        failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
-        module.set_row_plan(dense_from=1, w8a8_from=module.w8a8_from)
+            module.int8_dot = None  # torch's kernel takes the weight-only calls: check it next
+    if not dot_passed:
+        error = weight_only_error()
+        if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
+            failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
+            module.set_row_plan(dense_from=1, w8a8_from=module.w8a8_from)
     if module.w8a8_from is not None:
         error = _relative_error(module.w8a8(x.to(dtype)).float()[:, index], reference)
         if not error < W8A8_TOLERANCE:
@@ -326,10 +330,10 @@ def _shape_key(module: RowPlanned, *, head: bool) -> str:
 
 
 def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,
-                prefix: str = "plan") -> Path:
+                    prefix: str = "plan") -> Path:
     identity = {"version": PLAN_VERSION, "cpu": cpu.model_name, "aten": cpu.aten, "onednn": cpu.onednn_max_isa,
-                "mkl": cpu.mkl_instructions, "flags": sorted(cpu.flags), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "activations": str(dtype), "shapes": keys}
+                "mkl": cpu.mkl_instructions, "flags": sorted(cpu.flags), "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "activations": str(dtype), "shapes": keys}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     root = cache_dir or Path(os.environ.get("DECODESERVICE_KERNEL_CACHE") or
                              Path.home() / ".cache" / "decodeservice" / "kernels")
@@ -337,16 +341,22 @@ def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dty
 
 
 def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
+    return read_cached(path, lambda raw: {
+        key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"], int8_dot=bool(p["int8_dot"]),
+                       timings_ms={path_: {int(r): float(ms) for r, ms in rungs.items()}
+                                   for path_, rungs in p["timings_ms"].items()})
+        for key, p in raw["shapes"].items()})
+
+
+def read_cached(path: Path, parse: Callable[[Any], T]) -> T | None:
+    """`parse` of the JSON at `path`; None where there is none yet, or where it is torn or from an older
+    layout (logged): then the caller measures again."""
     try:
-        raw = json.loads(path.read_text())
-        return {key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"], int8_dot=bool(p["int8_dot"]),
-                               timings_ms={path_: {int(r): float(ms) for r, ms in rungs.items()}
-                                           for path_, rungs in p["timings_ms"].items()})
-                for key, p in raw["shapes"].items()}
+        return parse(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # a torn or old file: measure again
-        log.warning("ignoring kernel plan cache %s: %s", path, exc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("ignoring cached kernel choice %s: %s", path, exc)
         return None
 
 

@@ -53,15 +53,21 @@ def dequantize_int4(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, 
     return out
 
 
+def _reference_weight(codes: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """The layout's formula in fp32 torch ops, groups of 32: (N, K/2) codes -> (N, K)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).view(n, k // GROUP, GROUP).float()
+    scale, zero = scale_zeros[:, :n].float().unbind(-1)  # (K/G, N)
+    return ((nibbles - 8) * scale.t().unsqueeze(-1) + zero.t().unsqueeze(-1)).view(n, k)
+
+
 def _agrees(module: ModuleType) -> bool:
     """The kernel against the same formula in torch, on random codes, every odd shape of the layout
     included (padded rows, two groups)."""
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (37, 32), dtype=torch.uint8, generator=gen)  # K = 64: two groups of 32
     scale_zeros = torch.randn(2, 48, 2, generator=gen).to(torch.bfloat16)  # 48 >= 37 rows: padded
-    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).view(37, 2, 32).float()
-    scale, zero = scale_zeros[:, :37].float().unbind(-1)  # (K/G, N)
-    reference = ((nibbles - 8) * scale.t().unsqueeze(-1) + zero.t().unsqueeze(-1)).view(37, 64)
+    reference = _reference_weight(codes, scale_zeros)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         value = dequantize_int4(codes, scale_zeros, 32, dtype, module=module).float()
         if not torch.allclose(value, reference.to(dtype).float(), rtol=tolerance, atol=tolerance):
@@ -74,9 +80,7 @@ def _dot_agrees(module: ModuleType) -> bool:
     gen = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 256, (38, 64), dtype=torch.uint8, generator=gen)  # K = 128: 4 groups
     scale_zeros = (torch.rand(4, 48, 2, generator=gen) * 0.1).to(torch.bfloat16)
-    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).view(38, 4, 32).float()
-    scale, zero = scale_zeros[:, :38].float().unbind(-1)
-    weight = ((nibbles - 8) * scale.t().unsqueeze(-1) + zero.t().unsqueeze(-1)).view(38, 128)
+    weight = _reference_weight(codes, scale_zeros)
     x = torch.randn(5, 128, generator=gen)
     reference = x @ weight.t()
     for dtype in (torch.float32, torch.bfloat16):
