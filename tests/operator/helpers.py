@@ -40,3 +40,13 @@ def as_pod_templates(workload: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"apiVersion": "v1", "kind": "PodTemplate",
              "metadata": {"name": f"{meta['name']}-{role}", "namespace": meta["namespace"]}, "template": t}
             for role, t in zip(("leader", "worker"), pod_templates(workload), strict=True)]
+
+
+def operator_roles(values: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The chart's Roles and ClusterRoles for the operator itself (not its discovery role), rendered."""
+    import helm_python  # the real Helm SDK; imported here so other helpers load without it
+
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(values=values, name="dso", namespace="ops", is_install=True)
+    return [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text)
+            if d and d["kind"] in ("Role", "ClusterRole") and not d["metadata"]["name"].endswith("-discovery")]

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import helm_python
 import pytest
 import yaml
 from kmock import ResourceInfo
@@ -26,7 +25,7 @@ from decodeservice.operator.manifests import Children, build_children
 from decodeservice.operator.manifests import render as render_manifest
 from decodeservice.operator.spec import validate_spec
 from tests.operator.conftest import Cluster, run_operator
-from tests.operator.helpers import CHART, EXAMPLES, example_paths, load
+from tests.operator.helpers import EXAMPLES, example_paths, load, operator_roles
 from tests.operator.schema import cel_eval, cel_rules, structural_errors
 from tests.operator.test_operator_e2e import DS_PATH, condition, owned_by, smoke
 from tests.support.kube_emulator import DEPLOYMENTS, DS
@@ -191,10 +190,7 @@ async def test_with_the_crd_the_pool_is_owned_and_goes_when_disabled(cluster: Cl
 
 @pytest.mark.parametrize("values", [None, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
 def test_chart_rbac_grants_only_what_the_pool_needs(values: dict[str, Any] | None) -> None:
-    with helm_python.Chart.load(CHART) as chart:
-        rendered = chart.render(values=values, name="dso", namespace="ops", is_install=True)
-    roles = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text)
-             if d and d["kind"] in ("Role", "ClusterRole") and not d["metadata"]["name"].endswith("-discovery")]
+    roles = operator_roles(values)
     assert roles
     for role in roles:
         rules = [r for r in role["rules"] if "inference.networking.k8s.io" in r["apiGroups"]]

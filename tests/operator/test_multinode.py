@@ -21,7 +21,6 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import helm_python
 import kubernetes_validate
 import pytest
 import yaml
@@ -37,7 +36,7 @@ from decodeservice.operator.local_pod import LocalPodError, plan_local_pod
 from decodeservice.operator.manifests import Children, build_children, render, selector_labels
 from decodeservice.operator.spec import validate_spec
 from tests.operator.conftest import Cluster, run_operator
-from tests.operator.helpers import CHART, EXAMPLES, as_pod_templates, load, pod_templates
+from tests.operator.helpers import EXAMPLES, as_pod_templates, load, operator_roles, pod_templates
 from tests.operator.schema import structural_errors
 from tests.operator.security import restricted_violations
 from tests.operator.test_autoscaler_e2e import INTERVAL, Fleet, Pod
@@ -225,10 +224,7 @@ def test_multinode_needs_vllm_and_a_short_name() -> None:
 
 @pytest.mark.parametrize("values", [None, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
 def test_chart_rbac_grants_what_the_lws_needs(values: dict[str, Any] | None) -> None:
-    with helm_python.Chart.load(CHART) as chart:
-        rendered = chart.render(values=values, name="dso", namespace="ops", is_install=True)
-    roles = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text)
-             if d and d["kind"] in ("Role", "ClusterRole") and not d["metadata"]["name"].endswith("-discovery")]
+    roles = operator_roles(values)
     assert roles
     for role in roles:  # apply (create + patch), read (ownership, replicas), delete (back to one node)
         rules = [r for r in role["rules"] if "leaderworkerset.x-k8s.io" in r["apiGroups"]]
