@@ -1,21 +1,25 @@
 // Decode-size GEMMs on 4-bit weights with int8 dot products (engine/quant/native.py), for few rows.
 //
-// torch's CPU int4 kernel computes in fp32 and dequantizes its weights again for every block of 4 rows:
-// on AVX2 it took 13 of a 20 ms decode step of SmolLM2-135M at 1 thread, and its cost grows with rows,
-// which is what a speculative verify and a batch pay. Here, as llama.cpp does, each row's activations
-// are quantized to int8 per group of 32 (one scale per group), and each group's dot product with the
-// 4-bit codes runs on AVX2's u8 x s8 multiply-adds (32 products an instruction); the group's weight
-// scale and offset apply in fp32. The codes are unpacked once per group for every row of the call,
-// and each row is computed on its own, the same way at every row count: a stream's tokens do not
-// depend on its batch. Codes 0..15 times int8 never saturate the 16-bit pair sums.
+// torch's CPU int4 kernel computes in fp32 and dequantizes its weights again for every block of 4 rows,
+// so its cost grows with rows: what a speculative verify and a batch of streams pay. Here, as llama.cpp
+// does, each row's activations are quantized to int8 per group of 32 (one scale per group), and the
+// products with the 4-bit codes run on integer multiply-adds: AVX-512 VNNI's u8 x s8 dot of 4 (64
+// products an instruction), or AVX2's u8 x s8 pair sums. Codes 0..15 times int8 never saturate.
 //
-// Layout (engine/quant/int4.py): codes (N, K/2) uint8, weight 2i in the low nibble of byte i and 2i+1
-// in the high one; scale_zeros (K/32, N', 2) bf16 with w = (code - 8) * scale + zero.
+// The weights are laid out for it (tile_codes in native.py): per block of 16 output columns and group
+// of 32 inputs, 4 chunks of 64 bytes; byte 4c + i of chunk j holds column c's input 8j + i in its low
+// nibble and 8j + 4 + i in its high one. One 512-bit load is then 16 columns x 4 inputs twice over, and
+// each row's 4 activations broadcast against it; a tile of rows x columns keeps its sums in registers,
+// and its codes are unpacked once for every row of the tile. A row's result does not depend on the
+// other rows of the call (each row is computed alone, in the same order, at every row count).
+//
+// Scales: per block and group, 16 bf16 scales then 16 bf16 zeros, w = (code - 8) * scale + zero.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,121 +28,202 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kBlock = 16;                // output columns per tile block
+constexpr int64_t kGroupBytes = kBlock * kGroup / 2;  // 256: one block's codes for one group
+constexpr int kRows = 4;                      // rows per register tile
 
-inline float bf16_to_float(at::BFloat16 value) { return static_cast<float>(value); }
+// The call's rows quantized per group: values (M, K) int8, and per (row, group) the int8 step and the
+// sum of the unquantized values (the zero's term needs it, not the codes).
+struct Activations {
+  std::vector<int8_t> values;
+  std::vector<float> steps, sums;
+  int64_t k = 0, groups = 0;
 
-// One row of activations, quantized per group of 32 and laid out per pair of groups as the kernel
-// reads them: 32 bytes of even-indexed values (group 2p's 16, then group 2p+1's), then 32 of odd ones;
-// per pair, 8 floats of scales and 8 of sums (4 lanes per group, the lanes a 256-bit int32 result of a
-// 128-bit group occupies).
-struct QuantizedRow {
-  std::vector<int8_t> values;  // pairs * 64
-  std::vector<float> scales;   // pairs * 8: the group's int8 step
-  std::vector<float> sums;     // pairs * 8: the group's sum of the unquantized values / 4
+  int32_t quad(int64_t row, int64_t offset) const {  // 4 consecutive int8 values as one int32 lane
+    int32_t word;
+    std::memcpy(&word, values.data() + row * k + offset, sizeof(word));
+    return word;
+  }
 };
 
 template <typename T>
-void quantize_row(const T* x, int64_t k, QuantizedRow& row) {
-  const int64_t pairs = k / (2 * kGroup);
-  row.values.assign(static_cast<size_t>(pairs * 64), 0);
-  row.scales.assign(static_cast<size_t>(pairs * 8), 0.0f);
-  row.sums.assign(static_cast<size_t>(pairs * 8), 0.0f);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    float values[kGroup];
-    float peak = 0.0f, sum = 0.0f;
-    for (int64_t i = 0; i < kGroup; ++i) {
-      values[i] = static_cast<float>(x[g * kGroup + i]);
-      peak = std::max(peak, std::fabs(values[i]));
-      sum += values[i];
-    }
-    const float step = peak / 127.0f;
-    const float inverse = step > 0.0f ? 1.0f / step : 0.0f;
-    const int64_t pair = g / 2, half = g % 2;
-    int8_t* even = row.values.data() + pair * 64 + half * 16;
-    int8_t* odd = even + 32;
-    for (int64_t i = 0; i < kGroup / 2; ++i) {
-      even[i] = static_cast<int8_t>(std::nearbyint(values[2 * i] * inverse));
-      odd[i] = static_cast<int8_t>(std::nearbyint(values[2 * i + 1] * inverse));
-    }
-    for (int64_t lane = 0; lane < 4; ++lane) {
-      row.scales[pair * 8 + half * 4 + lane] = step;
-      row.sums[pair * 8 + half * 4 + lane] = sum / 4.0f;
-    }
-  }
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 low = _mm256_castps256_ps128(v), high = _mm256_extractf128_ps(v, 1);
-  low = _mm_add_ps(low, high);
-  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
-  low = _mm_add_ss(low, _mm_shuffle_ps(low, low, 1));
-  return _mm_cvtss_f32(low);
-}
-
-// Rows in tiles of up to kTile, their accumulators in registers; two output columns at a time, so each
-// row's activation vectors are loaded once for both.
-constexpr int64_t kTile = 4;
-
-template <int64_t Tile, typename Out>
-inline void tile_columns(const QuantizedRow* rows, const uint8_t* codes, const at::BFloat16* scale_zeros,
-                         int64_t n, int64_t n_out, int64_t k, int64_t padded, Out* out) {
-  const int64_t pairs = k / (2 * kGroup);
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[Tile][2];
-  for (int64_t t = 0; t < Tile; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  const uint8_t* codes0 = codes + n * (k / 2);
-  const uint8_t* codes1 = codes0 + k / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m256i even[2], odd[2];
-    __m256 weight_scale[2], weight_offset[2];
-    const uint8_t* column_codes[2] = {codes0, codes1};
-    for (int64_t c = 0; c < 2; ++c) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column_codes[c] + p * 32));
-      even[c] = _mm256_and_si256(bytes, low_nibbles);
-      odd[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
-      // (code - 8) * s + z = code * s + (z - 8 s): lanes 0-3 group 2p, lanes 4-7 group 2p+1
-      const at::BFloat16* sz0 = scale_zeros + ((2 * p) * padded + n + c) * 2;
-      const at::BFloat16* sz1 = scale_zeros + ((2 * p + 1) * padded + n + c) * 2;
-      const float s0 = bf16_to_float(sz0[0]), s1 = bf16_to_float(sz1[0]);
-      weight_scale[c] = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-      weight_offset[c] = _mm256_set_m128(_mm_set1_ps(bf16_to_float(sz1[1]) - 8.0f * s1),
-                                         _mm_set1_ps(bf16_to_float(sz0[1]) - 8.0f * s0));
-    }
-    for (int64_t t = 0; t < Tile; ++t) {
-      const int8_t* xq = rows[t].values.data() + p * 64;
-      const __m256i x_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      const __m256i x_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-      const __m256 x_scale = _mm256_loadu_ps(rows[t].scales.data() + p * 8);
-      const __m256 x_sum = _mm256_loadu_ps(rows[t].sums.data() + p * 8);
-      for (int64_t c = 0; c < 2; ++c) {
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(even[c], x_even), ones),
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(odd[c], x_odd), ones));
-        acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(weight_scale[c], x_scale), acc[t][c]);
-        acc[t][c] = _mm256_fmadd_ps(weight_offset[c], x_sum, acc[t][c]);
+Activations quantize_rows(const T* x, int64_t m_rows, int64_t k) {
+  Activations a;
+  a.k = k;
+  a.groups = k / kGroup;
+  a.values.resize(static_cast<size_t>(m_rows * k));
+  a.steps.resize(static_cast<size_t>(m_rows * a.groups));
+  a.sums.resize(static_cast<size_t>(m_rows * a.groups));
+  for (int64_t m = 0; m < m_rows; ++m) {
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const T* group = x + m * k + g * kGroup;
+      float peak = 0.0f, sum = 0.0f;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const float value = static_cast<float>(group[i]);
+        peak = std::max(peak, std::fabs(value));
+        sum += value;
       }
+      const float step = peak / 127.0f, inverse = step > 0.0f ? 1.0f / step : 0.0f;
+      int8_t* out = a.values.data() + m * k + g * kGroup;
+      for (int64_t i = 0; i < kGroup; ++i) out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(group[i]) * inverse));
+      a.steps[static_cast<size_t>(m * a.groups + g)] = step;
+      a.sums[static_cast<size_t>(m * a.groups + g)] = sum;
     }
   }
-  for (int64_t t = 0; t < Tile; ++t)
-    for (int64_t c = 0; c < 2; ++c) out[t * n_out + n + c] = static_cast<Out>(horizontal_sum(acc[t][c]));
+  return a;
 }
 
 template <typename Out>
-void matmul(const std::vector<QuantizedRow>& rows, const uint8_t* codes, const at::BFloat16* scale_zeros,
-            int64_t n_out, int64_t k, int64_t padded, Out* out) {
-  const int64_t m_rows = static_cast<int64_t>(rows.size());
-  // Columns in pairs (an even count, checked below).
-  at::parallel_for(0, n_out / 2, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n = 2 * pair;
-      for (int64_t m = 0; m < m_rows; m += kTile) {
-        const QuantizedRow* tile = rows.data() + m;
-        Out* tile_out = out + m * n_out;
-        switch (std::min(kTile, m_rows - m)) {
-          case 1: tile_columns<1>(tile, codes, scale_zeros, n, n_out, k, padded, tile_out); break;
-          case 2: tile_columns<2>(tile, codes, scale_zeros, n, n_out, k, padded, tile_out); break;
-          case 3: tile_columns<3>(tile, codes, scale_zeros, n, n_out, k, padded, tile_out); break;
-          default: tile_columns<4>(tile, codes, scale_zeros, n, n_out, k, padded, tile_out); break;
+inline void store_row(const float* values, int64_t count, Out* out) {
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<Out>(values[i]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int64_t kTaskCols = 2 * kBlock;  // a task: two blocks of 16 columns
+
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512i dot4(__m512i acc, __m512i codes, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, codes, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+// Rows [row0, row0 + R) x blocks [block, block + C) of 16 columns.
+template <int R, int C, typename Out>
+void tile(const Activations& a, int64_t row0, const uint8_t* tiles, const at::BFloat16* scales, int64_t block,
+          int64_t n_out, Out* out) {
+  const int64_t groups = a.groups;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < 4; ++j) {
+      __m512i low[C], high[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* chunk = tiles + ((block + c) * groups + g) * kGroupBytes + j * 64;
+        const __m512i bytes = _mm512_loadu_si512(chunk);
+        low[c] = _mm512_and_si512(bytes, low_nibbles);
+        high[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x_low = _mm512_set1_epi32(a.quad(row0 + r, g * kGroup + 8 * j));
+        const __m512i x_high = _mm512_set1_epi32(a.quad(row0 + r, g * kGroup + 8 * j + 4));
+        for (int c = 0; c < C; ++c) dot[r][c] = dot4(dot4(dot[r][c], low[c], x_low), high[c], x_high);
+      }
+    }
+    __m512 scale[C], offset[C];
+    for (int c = 0; c < C; ++c) {
+      const at::BFloat16* sz = scales + ((block + c) * groups + g) * 2 * kBlock;
+      scale[c] = load_bf16x16(sz);
+      offset[c] = _mm512_fnmadd_ps(eight, scale[c], load_bf16x16(sz + kBlock));  // zero - 8 * scale
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * groups + g;
+      const __m512 step = _mm512_set1_ps(a.steps[static_cast<size_t>(at)]);
+      const __m512 sum = _mm512_set1_ps(a.sums[static_cast<size_t>(at)]);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), _mm512_mul_ps(scale[c], step), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(offset[c], sum, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float values[kBlock];
+      _mm512_store_ps(values, acc[r][c]);
+      store_row(values, kBlock, out + (row0 + r) * n_out + (block + c) * kBlock);
+    }
+}
+
+template <int R, typename Out>
+void run_task(const Activations& a, int64_t row0, const uint8_t* tiles, const at::BFloat16* scales, int64_t task,
+              int64_t n_out, Out* out) {
+  const int64_t block = task * 2;
+  if ((block + 2) * kBlock <= n_out)
+    tile<R, 2>(a, row0, tiles, scales, block, n_out, out);
+  else
+    tile<R, 1>(a, row0, tiles, scales, block, n_out, out);
+}
+#else
+constexpr int64_t kTaskCols = kBlock / 2;  // a task: half a block, 8 columns in one 256-bit register
+
+inline __m256 load_bf16x8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Rows [row0, row0 + R) x 8 columns: half `task % 2` of block `task / 2`. A group's 16 products per
+// 16-bit lane sum to at most 16 * 15 * 127 = 30480, so they add up in 16 bits before one widening.
+template <int R, typename Out>
+void run_task(const Activations& a, int64_t row0, const uint8_t* tiles, const at::BFloat16* scales, int64_t task,
+              int64_t n_out, Out* out) {
+  const int64_t groups = a.groups, block = task / 2, half = task % 2;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < 4; ++j) {
+      const uint8_t* chunk = tiles + (block * groups + g) * kGroupBytes + j * 64 + half * 32;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+      const __m256i low = _mm256_and_si256(bytes, low_nibbles);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x_low = _mm256_set1_epi32(a.quad(row0 + r, g * kGroup + 8 * j));
+        const __m256i x_high = _mm256_set1_epi32(a.quad(row0 + r, g * kGroup + 8 * j + 4));
+        dot[r] = _mm256_add_epi16(dot[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low),
+                                                           _mm256_maddubs_epi16(high, x_high)));
+      }
+    }
+    const at::BFloat16* sz = scales + (block * groups + g) * 2 * kBlock + half * 8;
+    const __m256 scale = load_bf16x8(sz);
+    const __m256 offset = _mm256_fnmadd_ps(eight, scale, load_bf16x8(sz + kBlock));  // zero - 8 * scale
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * groups + g;
+      const __m256 step = _mm256_set1_ps(a.steps[static_cast<size_t>(at)]);
+      const __m256 sum = _mm256_set1_ps(a.sums[static_cast<size_t>(at)]);
+      const __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r], ones));
+      acc[r] = _mm256_fmadd_ps(products, _mm256_mul_ps(scale, step), acc[r]);
+      acc[r] = _mm256_fmadd_ps(offset, sum, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float values[8];
+    _mm256_store_ps(values, acc[r]);
+    store_row(values, 8, out + (row0 + r) * n_out + task * 8);
+  }
+}
+#endif
+
+template <typename Out>
+void matmul(const Activations& a, int64_t m_rows, const uint8_t* tiles, const at::BFloat16* scales, int64_t n_out,
+            Out* out) {
+  const int64_t tasks = (n_out + kTaskCols - 1) / kTaskCols;
+  // A task is 8-32 columns x K: a few thousand multiply-adds a row, enough to amortize a thread's wake-up
+  // only in bunches.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, kTaskCols * a.k));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t m = 0; m < m_rows; m += kRows) {
+        switch (std::min<int64_t>(kRows, m_rows - m)) {
+          case 1: run_task<1>(a, m, tiles, scales, task, n_out, out); break;
+          case 2: run_task<2>(a, m, tiles, scales, task, n_out, out); break;
+          case 3: run_task<3>(a, m, tiles, scales, task, n_out, out); break;
+          default: run_task<4>(a, m, tiles, scales, task, n_out, out); break;
         }
       }
     }
@@ -147,38 +232,43 @@ void matmul(const std::vector<QuantizedRow>& rows, const uint8_t* codes, const a
 
 }  // namespace
 
-// x (M, K) float32 or bfloat16 -> out (M, N), same dtype.
-void int4_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale_zeros,
-                 torch::Tensor& out) {
+// x (M, K) float32 or bfloat16 -> out (M, N), same dtype; tiles (N/16, K/32, 4, 64) uint8, scales
+// (N/16, K/32, 2, 16) bfloat16 (native.py's tile_codes).
+void int4_matmul(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales, torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: (M, K) contiguous");
-  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: (N, K/2) uint8");
-  TORCH_CHECK(scale_zeros.dtype() == torch::kBFloat16 && scale_zeros.dim() == 3 && scale_zeros.is_contiguous() &&
-                  scale_zeros.size(2) == 2,
-              "scale_zeros: (K/32, N', 2) bfloat16");
-  const int64_t m_rows = x.size(0), k = x.size(1), n_out = codes.size(0);
-  TORCH_CHECK(codes.size(1) * 2 == k && k % (2 * kGroup) == 0 && scale_zeros.size(0) == k / kGroup &&
-                  scale_zeros.size(1) >= n_out && n_out % 2 == 0,
-              "groups of 32, an even number of them, an even number of outputs, and shapes that agree");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m_rows && out.size(1) == n_out && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(),
+  const int64_t m_rows = x.size(0), k = x.size(1), n_out = out.size(1);
+  TORCH_CHECK(k % kGroup == 0, "K: groups of 32");
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && tiles.is_contiguous() && tiles.dim() == 4 &&
+                  tiles.size(0) * kBlock == n_out && tiles.size(1) == k / kGroup && tiles.size(2) == 4 &&
+                  tiles.size(3) == 64,
+              "tiles: (N/16, K/32, 4, 64) uint8");
+  TORCH_CHECK(scales.dtype() == torch::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == tiles.size(0) && scales.size(1) == k / kGroup && scales.size(2) == 2 &&
+                  scales.size(3) == kBlock,
+              "scales: (N/16, K/32, 2, 16) bfloat16");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m_rows && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
               "out: (M, N), x's dtype");
-  std::vector<QuantizedRow> rows(static_cast<size_t>(m_rows));
-  for (int64_t m = 0; m < m_rows; ++m) {
-    if (x.scalar_type() == torch::kFloat32)
-      quantize_row(x.data_ptr<float>() + m * k, k, rows[static_cast<size_t>(m)]);
-    else
-      quantize_row(x.data_ptr<at::BFloat16>() + m * k, k, rows[static_cast<size_t>(m)]);
-  }
-  const auto* code_ptr = codes.data_ptr<uint8_t>();
-  const auto* sz_ptr = scale_zeros.data_ptr<at::BFloat16>();
+  const auto* tile_ptr = tiles.data_ptr<uint8_t>();
+  const auto* scale_ptr = scales.data_ptr<at::BFloat16>();
   if (x.scalar_type() == torch::kFloat32) {
-    matmul(rows, code_ptr, sz_ptr, n_out, k, scale_zeros.size(1), out.data_ptr<float>());
+    const Activations a = quantize_rows(x.data_ptr<float>(), m_rows, k);
+    matmul(a, m_rows, tile_ptr, scale_ptr, n_out, out.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
-    matmul(rows, code_ptr, sz_ptr, n_out, k, scale_zeros.size(1), out.data_ptr<at::BFloat16>());
+    const Activations a = quantize_rows(x.data_ptr<at::BFloat16>(), m_rows, k);
+    matmul(a, m_rows, tile_ptr, scale_ptr, n_out, out.data_ptr<at::BFloat16>());
   }
 }
 
+bool uses_vnni() {
+#ifdef __AVX512VNNI__
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_matmul", &int4_matmul, "few rows x 4-bit weights, int8 dot products (AVX2)");
+  m.def("int4_matmul", &int4_matmul, "few rows x 4-bit weights in tiles, int8 dot products (AVX2 / AVX-512)");
+  m.def("uses_vnni", &uses_vnni, "built with AVX-512 VNNI");
 }

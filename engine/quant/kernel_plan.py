@@ -38,7 +38,12 @@ from torch import nn
 
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4Linear, RowPlanned
-from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension, int4_dot_matmul
+from decodeservice.engine.quant.native import (
+    dequant_extension,
+    int4_dot_extension,
+    int4_dot_matmul,
+    tile_codes,
+)
 
 log = logging.getLogger("decodeservice.engine.kernels")
 T = TypeVar("T")
@@ -62,7 +67,9 @@ NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 # bf16 measures ~0.2x fp32 here (AMX), emulated ~10x (oneDNN capped at AVX2), and a loaded 2-core machine
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
-PLAN_VERSION = 5  # 3: dense thresholds as measured (the floor for mixed steps at the call); 4: native dequant; 5: int8 dot
+# 3: dense thresholds as measured (the floor for mixed steps at the call); 4: native dequant; 5: int8 dot;
+# 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it)
+PLAN_VERSION = 6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,9 +189,11 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
         for name in names:
             module = modules[name]
             if isinstance(module, Int4Linear):
-                module.int8_dot = dot if shapes[key].int8_dot and module.int8_dot_fits else None
+                module.use_int8_dot(dot if shapes[key].int8_dot and module.int8_dot_fits else None)
             module.set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
             fallbacks += self_check(name, modules[name], dtype=activations.dtype)
+            if isinstance(module, Int4Linear):
+                module.release_torch_packing()  # where the int8-dot kernel passed: its tiles replace it
     plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
                       native_dequant=native is not None, seconds=time.perf_counter() - started)
     for line in fallbacks:
@@ -220,7 +229,7 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
         dot_passed = error < W8A8_TOLERANCE  # int8 activations, as W8A8's
         if not dot_passed:
             failed.append(f"{name}: int8-dot kernel off (relative error {error:.3g})")
-            module.int8_dot = None  # torch's kernel takes the weight-only calls: check it next
+            module.use_int8_dot(None)  # torch's kernel takes the weight-only calls: check it next
     if not dot_passed:
         error = weight_only_error()
         if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
@@ -241,7 +250,7 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleType | None = None) -> ShapePlan:
     int8_dot = isinstance(module, Int4Linear) and dot is not None and module.int8_dot_fits and _dot_wins(module, dot)
     if isinstance(module, Int4Linear):
-        module.int8_dot = dot if int8_dot else None  # the dense path races the weight-only kernel it will meet
+        module.use_int8_dot(dot if int8_dot else None)  # the dense path races the weight-only kernel it will meet
 
     def weight_only(x: torch.Tensor) -> Callable[[], object]:
         return lambda: module.weight_only(x.to(KERNEL_DTYPE))
@@ -269,9 +278,10 @@ def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
     """The int8-dot kernel replaces torch's for every weight-only call (one kernel at every row count,
     so a stream's tokens do not depend on its batch) only if it is clearly faster at one row and at eight."""
     x = torch.randn(DOT_ROWS[-1], module.in_features, generator=torch.Generator().manual_seed(3)).to(KERNEL_DTYPE)
+    tiles = tile_codes(module.codes, module.scale_zeros)
 
     def native(rows: torch.Tensor) -> Callable[[], object]:
-        return lambda: int4_dot_matmul(rows, module.codes, module.scale_zeros, module=dot)
+        return lambda: int4_dot_matmul(rows, tiles, module=dot)
 
     def stock(rows: torch.Tensor) -> Callable[[], object]:
         return lambda: module.torch_weight_only(rows)

@@ -18,7 +18,13 @@ from torch import nn
 
 from decodeservice.engine.quant.int4 import Int4Weight, unpack_nibbles
 from decodeservice.engine.quant.native import GROUP as DOT_GROUP
-from decodeservice.engine.quant.native import dequantize_int4, int4_dot_matmul
+from decodeservice.engine.quant.native import (
+    TILE_COLUMNS,
+    DotTiles,
+    dequantize_int4,
+    int4_dot_matmul,
+    tile_codes,
+)
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
 
 
@@ -129,7 +135,12 @@ class Int4Linear(RowPlanned):
     pack differently), so nothing here reads it.
 
     With `w8a8`, also an int8 per-channel copy of the same weights (one byte a weight, on top of the
-    half byte of the 4-bit codes) for W8A8 (see engine/quant/w8a8.py)."""
+    half byte of the 4-bit codes) for W8A8 (see engine/quant/w8a8.py).
+
+    Where the kernel plan gives it the int8-dot kernel (use_int8_dot), the codes are also laid out in
+    that kernel's tiles, and torch's packed copy is dropped once the kernel passed its self-check
+    (release_torch_packing): the same half byte a weight, in the layout that is used; it is rebuilt
+    from the codes if torch's kernel is ever needed again."""
 
     packed: torch.Tensor
     scale_zeros: torch.Tensor
@@ -140,24 +151,18 @@ class Int4Linear(RowPlanned):
     # module's self-check; None: torch's elementwise ops.
     native_dequant: ModuleType | None = None
     # The int8-dot C++ kernel for every weight-only call (native.py), where the kernel plan measured it
-    # faster than torch's at one row and at eight; None: torch's kernel.
+    # faster than torch's at one row and at eight; None: torch's kernel. Set through use_int8_dot.
     int8_dot: ModuleType | None = None
+    dot_tiles: DotTiles | None = None
 
     def __init__(self, weight: Int4Weight, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size, self.dtype = weight.group_size, dtype
         self.dense_from, self.w8a8_from = DENSE_ROWS, (W8A8_ROWS if w8a8 else None)
-        # The pack op wants N a multiple of 16; padding rows have scale 0 and zero 0, sliced off the output.
         pad = -self.out_features % 64
-        packed_rows = F.pad(weight.packed, (0, 0, 0, pad), value=0x88)  # code 8 = 0 once scale/zero are 0
-        # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time to keep that transient
-        # small for the 49k-row head. Row-local packing is checked, not assumed: the kernel plan's self-check
-        # compares this module's kernel output with the dense reference at load and falls back if it differs.
-        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            unpack_nibbles(packed_rows[i : i + 1024]).to(torch.int32), 1) for i in range(0, packed_rows.shape[0], 1024)])
-        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("codes", weight.packed, persistent=False)  # (N, K/2) uint8, our layout
+        self.register_buffer("packed", self._torch_packing(), persistent=False)
         # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8). Our layout too: it is the
         # kernel's input, documented as such, not its private packing.
         scale = F.pad(weight.scale, (0, 0, 0, pad))
@@ -168,24 +173,51 @@ class Int4Linear(RowPlanned):
         self.register_buffer("w8a8_codes", codes, persistent=False)  # (N, K) int8
         self.register_buffer("w8a8_scales", scales, persistent=False)  # (N,) fp32
 
+    def _torch_packing(self) -> torch.Tensor:
+        """torch's kernel's packed copy of the codes, in whatever layout this ISA gives it."""
+        # The pack op wants N a multiple of 16; padding rows have scale 0 and zero 0, sliced off the output.
+        packed_rows = F.pad(self.codes, (0, 0, 0, -self.out_features % 64), value=0x88)  # code 8: 0 once padded
+        # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time to keep that transient
+        # small for the 49k-row head. Row-local packing is checked, not assumed: the kernel plan's self-check
+        # compares this module's kernel output with the dense reference at load and falls back if it differs.
+        return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_nibbles(packed_rows[i : i + 1024]).to(torch.int32), 1) for i in range(0, packed_rows.shape[0], 1024)])
+
     @property
     def has_w8a8(self) -> bool:
         return self.w8a8_codes is not None
 
     @property
     def int8_dot_fits(self) -> bool:
-        """The int8-dot kernel's shapes: groups of 32, an even number of them, an even number of outputs;
-        and a matrix large enough for a timing to mean something (a call on a tiny one is all overhead,
-        and the choice would follow the noise)."""
-        return (self.group_size == DOT_GROUP and self.in_features % (2 * DOT_GROUP) == 0 and self.out_features % 2 == 0
+        """The int8-dot kernel's shapes: groups of 32, outputs in blocks of 16; and a matrix large enough
+        for a timing to mean something (a call on a tiny one is all overhead, and the choice would follow
+        the noise)."""
+        return (self.group_size == DOT_GROUP and self.out_features % TILE_COLUMNS == 0
                 and self.in_features * self.out_features >= DOT_MIN_WEIGHTS)
 
-    def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+    def use_int8_dot(self, kernel: ModuleType | None) -> None:
+        """Weight-only calls through `kernel` (laying the codes out in its tiles once), or torch's (None)."""
+        self.int8_dot = kernel
+        if kernel is None:
+            self.dot_tiles = None
+            if self.packed.numel() == 0:
+                self.packed = self._torch_packing()
+        elif self.dot_tiles is None:
+            self.dot_tiles = tile_codes(self.codes, self.scale_zeros)
+
+    def release_torch_packing(self) -> None:
+        """Drop torch's packed copy while the int8-dot kernel takes every weight-only call."""
         if self.int8_dot is not None:
-            return int4_dot_matmul(flat, self.codes, self.scale_zeros, module=self.int8_dot)
+            self.packed = self.packed.new_empty(0)
+
+    def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.int8_dot is not None and self.dot_tiles is not None:
+            return int4_dot_matmul(flat, self.dot_tiles, module=self.int8_dot)
         return self.torch_weight_only(flat)
 
     def torch_weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.packed.numel() == 0:  # released for the int8-dot kernel, then asked for torch's (an A/B)
+            self.packed = self._torch_packing()
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, self.group_size, self.scale_zeros)
         return out[:, : self.out_features] if out.shape[1] != self.out_features else out

@@ -15,6 +15,8 @@ import torch
 
 from decodeservice.engine import Engine, EngineConfig, SamplingParams, compiled_step
 from decodeservice.engine.errors import ConfigError
+from decodeservice.engine.quant import kernel_plan, linear
+from decodeservice.engine.quant.native import int4_dot_extension
 from decodeservice.engine.scheduler import ScheduledSequence
 from tests.conftest import ModelBundle
 from tests.engine.test_loader import Q, write_tiny_gguf
@@ -102,3 +104,24 @@ def test_speculation_through_the_compiled_step_stays_lossless(int4_gguf: Path, c
     runner_records = [r for r in caplog.records if r.name == "decodeservice.engine.runner"]  # not the kernel plan's
     assert [r.message.split(" (")[0] for r in runner_records][:1] == ["compiling the decode step"]
     assert "decode step compiled in" in caplog.text
+
+
+def test_the_int8_dot_kernel_traces_into_the_compiled_step(int4_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """Where the kernel plan gives projections the native int8-dot kernel (the bundled model's, on most
+    CPUs), the fullgraph compile calls it as a custom op, and the step stays bit-identical to eager."""
+    if int4_dot_extension() is None:
+        pytest.skip("the int8-dot kernel needs AVX2 (ATen dispatches below it here)")
+    monkeypatch.setenv("DECODESERVICE_KERNEL_CACHE", str(tmp_path))  # this plan must not reach other tests
+    monkeypatch.setattr(linear, "DOT_MIN_WEIGHTS", 0)  # the tiny model's matrices: timing them means nothing,
+    monkeypatch.setattr(kernel_plan, "_dot_wins", lambda module, dot: True)  # so the kernel is chosen outright
+    compiled = Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01, w8a8=False)
+    eager = Engine(model=compiled.model, tokenizer=compiled.tokenizer,
+                   config=EngineConfig(quantization="int4", kv_cache_gib=0.01, w8a8=False))
+    assert compiled.runner.compiled is not None
+    fits = [m for m in compiled.model.modules() if isinstance(m, linear.Int4Linear) and m.int8_dot_fits]
+    assert len(fits) == 8 and all(m.int8_dot is not None for m in fits)  # every projection; the head's 264 rows do not fit
+    prompts = [compiled.tokenizer.encode(p) for p in (" the hell tell the", " tell the hell")]
+    for group in (prompts[:1], prompts):  # the one-row graph, then the batch graph
+        assert ([o.token_ids for o in compiled.generate(group, GREEDY)]
+                == [o.token_ids for o in eager.generate(group, GREEDY)])

@@ -6,14 +6,23 @@ Runs under the AVX2 caps of scripts/test.sh too, where the kernel is built again
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
 import pytest
 import torch
 
+from decodeservice.engine import cpp_extensions
 from decodeservice.engine.cpp_extensions import DISABLE_ENV
 from decodeservice.engine.quant import Int4Linear, quantize_int4
+from decodeservice.engine.quant.cpu import detect_cpu
 from decodeservice.engine.quant.kernel_plan import W8A8_TOLERANCE, ActivationChoice, plan_kernels, self_check
-from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension, int4_dot_matmul
+from decodeservice.engine.quant.native import (
+    DOT_SOURCE,
+    dequant_extension,
+    int4_dot_extension,
+    int4_dot_matmul,
+    tile_codes,
+)
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -79,27 +88,29 @@ def int8_dot() -> types.ModuleType:
     return module
 
 
-@pytest.mark.parametrize("shape", [(192, 128), (64, 576), (1000, 1536)])
+# (48, 96): 3 blocks of 16 outputs (AVX-512 runs two, then one), 3 groups; (1040, 1536): 65 blocks.
+@pytest.mark.parametrize("shape", [(192, 128), (48, 96), (64, 576), (1040, 1536)])
 def test_int8_dot_kernel_is_as_close_as_w8a8_and_batch_invariant(int8_dot: types.ModuleType,
                                                                   shape: tuple[int, int]) -> None:
     n, k = shape
     module = Int4Linear(quantize_int4(gaussian(n, k, n)))
     x = gaussian(33, k, k).to(torch.bfloat16)
     reference = x.float() @ module.torch_dense_weight(torch.float32).t()
-    batch = int4_dot_matmul(x, module.codes, module.scale_zeros, module=int8_dot)
+    tiles = tile_codes(module.codes, module.scale_zeros)
+    batch = int4_dot_matmul(x, tiles, module=int8_dot)
     error = float((batch.float() - reference).norm() / reference.norm())
     assert error < W8A8_TOLERANCE and error > 0  # int8 activations: close, not exact
     # Every row the same bits whatever the batch it came in: decode, verify and batch agree.
     for rows in (1, 3, 4, 5, 9):
-        assert torch.equal(int4_dot_matmul(x[:rows].contiguous(), module.codes, module.scale_zeros,
-                                           module=int8_dot), batch[:rows])
+        assert torch.equal(int4_dot_matmul(x[:rows].contiguous(), tiles, module=int8_dot), batch[:rows])
 
 
 def test_int8_dot_kernel_refuses_shapes_it_cannot_run(int8_dot: types.ModuleType) -> None:
-    odd_groups = Int4Linear(quantize_int4(gaussian(64, 96, 1)))  # 3 groups of 32
-    assert not odd_groups.int8_dot_fits
-    with pytest.raises(RuntimeError, match="groups of 32"):
-        int4_dot_matmul(gaussian(1, 96, 2), odd_groups.codes, odd_groups.scale_zeros, module=int8_dot)
+    assert not Int4Linear(quantize_int4(gaussian(1000, 96, 1))).int8_dot_fits  # outputs not in blocks of 16
+    assert not Int4Linear(quantize_int4(gaussian(1024, 128, 1), group_size=64)).int8_dot_fits
+    module = Int4Linear(quantize_int4(gaussian(64, 96, 1)))
+    with pytest.raises(RuntimeError, match="tiles: "):  # tiles of another K
+        int4_dot_matmul(gaussian(1, 128, 2), tile_codes(module.codes, module.scale_zeros), module=int8_dot)
 
 
 def test_self_check_turns_off_an_int8_dot_kernel_that_disagrees(int8_dot: types.ModuleType) -> None:
@@ -109,7 +120,7 @@ def test_self_check_turns_off_an_int8_dot_kernel_that_disagrees(int8_dot: types.
             int8_dot.int4_matmul(x, codes.roll(1, dims=0).contiguous(), scale_zeros, out)
 
     module = Int4Linear(quantize_int4(gaussian(128, 64, 7)), dtype=torch.float32)
-    module.int8_dot = Shifted  # type: ignore[assignment]
+    module.use_int8_dot(Shifted)  # type: ignore[arg-type]
     failed = self_check("layers.1.self_attn.o_proj", module, dtype=torch.float32)
     assert failed and "int8-dot kernel off" in failed[0] and module.int8_dot is None
     assert failed == [failed[0]]  # torch's kernel, now in use again, passes
@@ -125,3 +136,26 @@ def test_the_plan_takes_the_int8_dot_kernel_only_where_it_measured_faster(int8_d
     assert (model.proj.int8_dot is int8_dot) == shape.int8_dot
     assert plan.describe()["rows"]["Int4Linear 1536x576"]["weight_only"] == (
         "int8 dot (native)" if shape.int8_dot else "torch int4")
+    # Where the int8-dot kernel took over, its tiles replace torch's packed copy (no extra memory), and
+    # torch's kernel still runs, from a copy rebuilt from the codes, if asked for.
+    assert (model.proj.packed.numel() == 0) == shape.int8_dot
+    x = gaussian(3, 576, 9).to(torch.bfloat16)
+    fresh = Int4Linear(quantize_int4(gaussian(1536, 576, 8)))
+    assert torch.equal(model.proj.torch_weight_only(x), fresh.torch_weight_only(x))
+
+
+def test_the_avx512_build_without_vnni_gives_the_same_bits(int8_dot: types.ModuleType,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPUs with AVX-512 but no VNNI (Skylake-SP) run the 512-bit kernel on u8 x s8 pair sums: the same
+    integer sums, so the same bits as the VNNI build."""
+    cpu = detect_cpu()
+    if not (torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in cpu.flags):
+        pytest.skip("the default build here already has no VNNI")
+    monkeypatch.setattr(cpp_extensions, "detect_cpu", lambda: replace(cpu, flags=cpu.flags - {"avx512_vnni"}))
+    plain = cpp_extensions.build_extension(DOT_SOURCE, what="int4 x int8 dot (no VNNI)", check=lambda _: True,
+                                           x86_intrinsics=True)
+    assert plain is not None and int8_dot.uses_vnni() and not plain.uses_vnni()
+    module = Int4Linear(quantize_int4(gaussian(1040, 576, 10)))
+    tiles = tile_codes(module.codes, module.scale_zeros)
+    x = gaussian(7, 576, 11).to(torch.bfloat16)
+    assert torch.equal(int4_dot_matmul(x, tiles, module=plain), int4_dot_matmul(x, tiles, module=int8_dot))
