@@ -1,9 +1,10 @@
-"""The engine's C++ kernels (engine/quant/dequant_int4.cpp, engine/attention/decode_attention.cpp), built
+"""The engine's C++ kernels (engine/quant/dequant_int4.cpp, engine/quant/int4_dot.cpp), built
 with torch.utils.cpp_extension at first use and cached.
 
 Each is built for the ISA ATen dispatches to, never for the build machine: an AVX2-capped run
 (`ATEN_CPU_CAPABILITY=avx2`, as scripts/test.sh runs the quantized tests) builds AVX2 code, and the
-cache key holds the ISA, the source and torch's version, so a pod on another node type builds its own.
+cache key holds the ISA flags, the source and torch's version, so a pod on another node type builds its
+own. AVX-512 builds add VNNI only where the CPU reports it (/proc/cpuinfo's avx512_vnni).
 A build that fails (no compiler) or a kernel that fails its check against the torch path is logged
 and left out: the torch path runs.
 """
