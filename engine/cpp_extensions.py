@@ -22,8 +22,6 @@ from types import ModuleType
 
 import torch
 
-from decodeservice.engine.quant.cpu import detect_cpu
-
 log = logging.getLogger("decodeservice.engine.kernels")
 
 ISA_FLAGS = {
@@ -57,7 +55,9 @@ def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bo
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ISA_FLAGS.get(capability.split()[0], []) if sys.platform.startswith("linux") else []
-    if flags and capability.startswith("AVX512") and "avx512_vnni" in detect_cpu().flags:
+    from decodeservice.engine.quant import cpu  # here: quant's kernels import this module at their import
+
+    if flags and capability.startswith("AVX512") and "avx512_vnni" in cpu.detect_cpu().flags:
         flags = [*flags, "-mavx512vnni"]  # the int8-dot kernel's 4-term dot; only where the CPU has it
     if x86_intrinsics and not flags:
         log.info("no native %s kernel: it needs AVX2 (ATen dispatches to %s here)", what, capability)

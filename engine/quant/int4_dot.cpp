@@ -268,7 +268,22 @@ bool uses_vnni() {
 #endif
 }
 
+// How many of ATen's threads a parallel_for of this build reaches: 1 where the build lost OpenMP (the
+// header-only omp loop compiled without -fopenmp runs serially).
+int64_t parallel_threads() {
+  std::vector<int> seen(static_cast<size_t>(at::get_num_threads()), 0);
+  at::parallel_for(0, 64 * at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    seen[static_cast<size_t>(at::get_thread_num())] = 1;
+    volatile double sink = 0;  // enough work per chunk that one thread cannot take every chunk first
+    for (int i = 0; i < 200000; ++i) sink = sink + i;
+  });
+  int64_t count = 0;
+  for (int flag : seen) count += flag;
+  return count;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "few rows x 4-bit weights in tiles, int8 dot products (AVX2 / AVX-512)");
   m.def("uses_vnni", &uses_vnni, "built with AVX-512 VNNI");
+  m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for reaches in this build");
 }

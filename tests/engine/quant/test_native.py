@@ -5,6 +5,7 @@ Runs under the AVX2 caps of scripts/test.sh too, where the kernel is built again
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import replace
 
@@ -13,7 +14,7 @@ import torch
 
 from decodeservice.engine import cpp_extensions
 from decodeservice.engine.cpp_extensions import DISABLE_ENV
-from decodeservice.engine.quant import Int4Linear, quantize_int4
+from decodeservice.engine.quant import Int4Linear, cpu, quantize_int4
 from decodeservice.engine.quant.cpu import detect_cpu
 from decodeservice.engine.quant.kernel_plan import W8A8_TOLERANCE, ActivationChoice, plan_kernels, self_check
 from decodeservice.engine.quant.native import (
@@ -148,10 +149,10 @@ def test_the_avx512_build_without_vnni_gives_the_same_bits(int8_dot: types.Modul
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """CPUs with AVX-512 but no VNNI (Skylake-SP) run the 512-bit kernel on u8 x s8 pair sums: the same
     integer sums, so the same bits as the VNNI build."""
-    cpu = detect_cpu()
-    if not (torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in cpu.flags):
+    here = detect_cpu()
+    if not (torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in here.flags):
         pytest.skip("the default build here already has no VNNI")
-    monkeypatch.setattr(cpp_extensions, "detect_cpu", lambda: replace(cpu, flags=cpu.flags - {"avx512_vnni"}))
+    monkeypatch.setattr(cpu, "detect_cpu", lambda: replace(here, flags=here.flags - {"avx512_vnni"}))
     plain = cpp_extensions.build_extension(DOT_SOURCE, what="int4 x int8 dot (no VNNI)", check=lambda _: True,
                                            x86_intrinsics=True)
     assert plain is not None and int8_dot.uses_vnni() and not plain.uses_vnni()
@@ -159,3 +160,16 @@ def test_the_avx512_build_without_vnni_gives_the_same_bits(int8_dot: types.Modul
     tiles = tile_codes(module.codes, module.scale_zeros)
     x = gaussian(7, 576, 11).to(torch.bfloat16)
     assert torch.equal(int4_dot_matmul(x, tiles, module=plain), int4_dot_matmul(x, tiles, module=int8_dot))
+
+
+def test_the_kernels_use_atens_threads(int8_dot: types.ModuleType) -> None:
+    """Built without OpenMP, at::parallel_for compiles to a serial loop (it did: the kernel took the same
+    time at 2 threads as at 1); the build's flags must keep it on ATen's thread pool."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert int8_dot.parallel_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
