@@ -181,7 +181,7 @@ def projection_rows(model: Any, rows: tuple[int, ...] = (1, 2, 4, 6, 8, 16, 32, 
             x = torch.randn(m, module.in_features, generator=gen).to(dense.dtype)
             per_m[f"M={m}"] = {
                 "int4": _time_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x, module.packed, module.group_size, module.scale_zeros), reps),  # noqa: B023
+                    x, module.torch_packing(), module.group_size, module.scale_zeros), reps),  # noqa: B023
                 "int8": _time_ms(lambda: torch.ops.aten._weight_int8pack_mm(
                     x, int8.weight_int8, int8.scales), reps),  # noqa: B023
                 "w8a8": _time_ms(lambda: w8a8_mm(x, int8.weight_int8, int8_scales), reps),  # noqa: B023

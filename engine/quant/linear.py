@@ -138,7 +138,8 @@ class Int4Linear(RowPlanned):
     half byte of the 4-bit codes) for W8A8 (see engine/quant/w8a8.py).
 
     Where the kernel plan gives it the int8-dot kernel (use_int8_dot), the codes are also laid out in
-    that kernel's tiles, and torch's packed copy is dropped once the kernel passed its self-check
+    that kernel's tiles, and torch's packed copy (built at its first use: the plan times torch's kernel
+    on one module of each shape) is dropped once the kernel passed its self-check
     (release_torch_packing): the same half byte a weight, in the layout that is used; it is rebuilt
     from the codes if torch's kernel is ever needed again."""
 
@@ -162,7 +163,10 @@ class Int4Linear(RowPlanned):
         self.dense_from, self.w8a8_from = DENSE_ROWS, (W8A8_ROWS if w8a8 else None)
         pad = -self.out_features % 64
         self.register_buffer("codes", weight.packed, persistent=False)  # (N, K/2) uint8, our layout
-        self.register_buffer("packed", self._torch_packing(), persistent=False)
+        # torch's packed copy, built at its first use (torch_packing): where the kernel plan gives every
+        # weight-only call to the int8-dot kernel it is never built, and the load's peak holds one copy
+        # of the weights fewer.
+        self.register_buffer("packed", self.codes.new_empty(0), persistent=False)
         # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8). Our layout too: it is the
         # kernel's input, documented as such, not its private packing.
         scale = F.pad(weight.scale, (0, 0, 0, pad))
@@ -173,8 +177,13 @@ class Int4Linear(RowPlanned):
         self.register_buffer("w8a8_codes", codes, persistent=False)  # (N, K) int8
         self.register_buffer("w8a8_scales", scales, persistent=False)  # (N,) fp32
 
-    def _torch_packing(self) -> torch.Tensor:
-        """torch's kernel's packed copy of the codes, in whatever layout this ISA gives it."""
+    def torch_packing(self) -> torch.Tensor:
+        """torch's kernel's packed copy of the codes, in whatever layout this ISA gives it (built once)."""
+        if self.packed.numel() == 0:
+            self.packed = self._pack_for_torch()
+        return self.packed
+
+    def _pack_for_torch(self) -> torch.Tensor:
         # The pack op wants N a multiple of 16; padding rows have scale 0 and zero 0, sliced off the output.
         packed_rows = F.pad(self.codes, (0, 0, 0, -self.out_features % 64), value=0x88)  # code 8: 0 once padded
         # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time to keep that transient
@@ -200,8 +209,6 @@ class Int4Linear(RowPlanned):
         self.int8_dot = kernel
         if kernel is None:
             self.dot_tiles = None
-            if self.packed.numel() == 0:
-                self.packed = self._torch_packing()
         elif self.dot_tiles is None:
             self.dot_tiles = tile_codes(self.codes, self.scale_zeros)
 
@@ -216,10 +223,8 @@ class Int4Linear(RowPlanned):
         return self.torch_weight_only(flat)
 
     def torch_weight_only(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.packed.numel() == 0:  # released for the int8-dot kernel, then asked for torch's (an A/B)
-            self.packed = self._torch_packing()
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, self.group_size, self.scale_zeros)
+            flat, self.torch_packing(), self.group_size, self.scale_zeros)
         return out[:, : self.out_features] if out.shape[1] != self.out_features else out
 
     def w8a8(self, flat: torch.Tensor) -> torch.Tensor:

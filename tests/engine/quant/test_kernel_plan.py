@@ -99,7 +99,7 @@ def test_self_check_refuses_a_kernel_layout_it_misreads_and_falls_back_to_dense(
     scrambled (a layout the kernel does not expect); the check must notice and route every call to
     the dense path on our own codes, which stays right."""
     module = Int4Linear(quantize_int4(gaussian(128, 128, 2)), dtype=torch.float32)
-    module.packed = module.packed.flip(0).contiguous()
+    module.packed = module.torch_packing().flip(0).contiguous()
     failed = self_check("layers.0.mlp.down_proj", module, dtype=torch.float32)
     assert len(failed) == 1 and "weight-only kernel off" in failed[0] and "layers.0.mlp.down_proj" in failed[0]
     assert module.dense_from == 1

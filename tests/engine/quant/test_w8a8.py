@@ -130,12 +130,15 @@ TOKENS = 32
 QUESTIONS = ["Tell me about the moon.", "Write a short poem about autumn leaves.",
              "What is the difference between a list and a tuple in Python?", "Give me three tips for a job interview.",
              "Why is the sky blue?", "How do I boil an egg?", "What is photosynthesis?", "Name three rivers in Europe."]
-# Measured (int4, 8 streams x 32 greedy tokens): position-wise agreement 0.16-0.91 per stream, mean 0.42;
-# first divergence at tokens 14, 1, 23, 11, 10, 14, 5, 0, where the model's top-2 logits were 0.125-1.0
-# apart (bf16 logits move in steps of 0.125 here). Without W8A8 the same comparison diverged too, in 4 of
-# 8 streams (tokens 8-22, at margins 0-0.125): batching is not bit-exact elsewhere either (attention, the
-# prefill's kernels). A wrong scale in W8A8 agrees on almost nothing. The floor sits below the measure.
-AGREEMENT_FLOOR = 0.3
+# Measured (int4, 8 streams x 32 greedy tokens) with torch's 4-bit kernel alone: position-wise agreement
+# 0.16-0.91 per stream, mean 0.42; first divergence at tokens 14, 1, 23, 11, 10, 14, 5, 0, where the
+# model's top-2 logits were 0.125-1.0 apart (bf16 logits move in steps of 0.125 here). Without W8A8 the
+# same comparison diverged too, in 4 of 8 streams (tokens 8-22, at margins 0-0.125): batching is not
+# bit-exact elsewhere either (attention, the prefill's kernels). With the int8-dot kernel alone (int8
+# activations on the 4-bit codes, where W8A8 has them on an int8 copy: two different roundings):
+# 0.06-0.78, mean 0.26, first divergence at 10, 1, 22, 4, 4, 6, 9, 2. W8A8 with its scales flipped
+# (the wrong channels'): mean 0.016, zero in 6 of 8 streams. The floor sits between.
+AGREEMENT_FLOOR = 0.15
 
 
 @pytest.fixture(scope="module")
