@@ -276,6 +276,20 @@ def continuation_nll(reference: ModelBundle, prompt: list[int], continuation: li
     return -float(logprobs.gather(1, torch.tensor(continuation)[:, None]).mean())
 
 
+# One coherent report, repeated to ~1k tokens: its summary is well defined. The first version of the test
+# summarized ANSWERS * 3 (eight unrelated answers): there int4's first token differed from fp32's with
+# every kernel, and the 24-token continuation's score then swung between 0.78 and 1.42 nat/token across
+# kernel variants of the same per-projection accuracy (int8-dot or torch's kernel, on the projections
+# or the head; measured under the AVX2 caps), a coin toss rather than a measure of the prompt path.
+REPORT = (
+    "The harbour authority published its yearly report on Monday. Cargo volumes rose by eight percent, "
+    "mostly from container traffic, while bulk grain shipments fell after a dry summer inland. The new "
+    "crane on the eastern quay cut the average unloading time from eleven hours to seven. Two ferry "
+    "routes were added to the islands, and the old fish market will become a visitor centre next spring. "
+    "The authority plans to dredge the main channel in autumn so that larger ships can dock at low tide. "
+)
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_text_after_a_long_prompt_scores_like_fp32s(bundled: ModelBundle, quantized: dict[str, ModelBundle],
@@ -283,11 +297,10 @@ def test_text_after_a_long_prompt_scores_like_fp32s(bundled: ModelBundle, quanti
     """What broke on AVX2: prompt chunks of 256+ rows ran on weights read back from the kernel's
     AVX-512 layout, so after a long prompt the default engine wrote nonsense. A ~1k-token prompt runs
     in chunks of 512 rows (each projection on the path this machine's plan picks for them), then 24
-    greedy tokens; the fp32 model scores both engines' continuations. Measured here: int4 and int8
-    within 0.3 nat/token of fp32's own; garbage weights score ~10."""
+    greedy tokens; the fp32 model scores both engines' continuations. Within 1 nat/token of fp32's own
+    (the issue's bar); garbage weights score ~10."""
     tok = bundled.tokenizer
-    text = " ".join(ANSWERS * 3)
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text + "\n\nSummarize the text above."}]))
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": REPORT * 11 + "\nSummarize the report above."}]))
     assert 900 <= len(prompt) <= 1400, len(prompt)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = {name: bundle.engine(kv_cache_gib=0.2, max_model_len=2048).generate([prompt], greedy)[0].token_ids
