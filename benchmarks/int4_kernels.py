@@ -46,7 +46,7 @@ def main() -> int:
     engine = Engine.from_pretrained("smollm2-135m", quantization="int4", kv_cache_gib=0.05, max_model_len=1024)
     named = [(n, m) for n, m in engine.model.named_modules() if isinstance(m, Int4Linear)]
     layers = [(m, tile_codes(m.codes, m.scale_zeros)) for n, m in named if not n.endswith("lm_head")]
-    heads = [(m, tile_codes(m.codes, m.scale_zeros, residual=True)) for n, m in named if n.endswith("lm_head")]  # as the plan lays it out
+    heads = [(m, tile_codes(m.codes, m.scale_zeros)) for n, m in named if n.endswith("lm_head")]
     dtype = engine.dtype  # the engine's activations (recorded): the kernels get bf16 rows either way
     gen = torch.Generator().manual_seed(0)
 

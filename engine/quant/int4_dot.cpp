@@ -33,10 +33,7 @@ constexpr int64_t kGroupBytes = kBlock * kGroup / 2;  // 256: one block's codes 
 constexpr int kRows = 4;                      // rows per register tile
 
 // The call's rows quantized per group: values (M, K) int8, and per (row, group) the int8 step and the
-// sum of the unquantized values (the zero's term needs it, not the codes). With `residual`, each row
-// becomes two: its int8 codes, then the int8 codes of what they missed (x - step * codes) with a step of
-// their own and a sum of 0 (the zero's term counted once); the two rows' products add up to ~1/127 of the
-// first's error, for the head, whose rounding moves logits directly.
+// sum of the unquantized values (the zero's term needs it, not the codes).
 struct Activations {
   std::vector<int8_t> values;
   std::vector<float> steps, sums;
@@ -49,41 +46,28 @@ struct Activations {
   }
 };
 
-// One group of 32 values to int8: returns the step (0 for an all-zero group).
-inline float quantize_group(const float* values, int8_t* out) {
-  float peak = 0.0f;
-  for (int64_t i = 0; i < kGroup; ++i) peak = std::max(peak, std::fabs(values[i]));
-  const float step = peak / 127.0f, inverse = step > 0.0f ? 1.0f / step : 0.0f;
-  for (int64_t i = 0; i < kGroup; ++i) out[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
-  return step;
-}
-
 template <typename T>
-Activations quantize_rows(const T* x, int64_t m_rows, int64_t k, bool residual) {
+Activations quantize_rows(const T* x, int64_t m_rows, int64_t k) {
   Activations a;
-  const int64_t per_row = residual ? 2 : 1, rows = m_rows * per_row;
   a.k = k;
   a.groups = k / kGroup;
-  a.values.resize(static_cast<size_t>(rows * k));
-  a.steps.resize(static_cast<size_t>(rows * a.groups));
-  a.sums.resize(static_cast<size_t>(rows * a.groups), 0.0f);
+  a.values.resize(static_cast<size_t>(m_rows * k));
+  a.steps.resize(static_cast<size_t>(m_rows * a.groups));
+  a.sums.resize(static_cast<size_t>(m_rows * a.groups));
   for (int64_t m = 0; m < m_rows; ++m) {
-    const int64_t row = m * per_row;
     for (int64_t g = 0; g < a.groups; ++g) {
-      float values[kGroup];
-      float sum = 0.0f;
+      const T* group = x + m * k + g * kGroup;
+      float peak = 0.0f, sum = 0.0f;
       for (int64_t i = 0; i < kGroup; ++i) {
-        values[i] = static_cast<float>(x[m * k + g * kGroup + i]);
-        sum += values[i];
+        const float value = static_cast<float>(group[i]);
+        peak = std::max(peak, std::fabs(value));
+        sum += value;
       }
-      int8_t* codes = a.values.data() + row * k + g * kGroup;
-      const float step = quantize_group(values, codes);
-      a.steps[static_cast<size_t>(row * a.groups + g)] = step;
-      a.sums[static_cast<size_t>(row * a.groups + g)] = sum;
-      if (residual) {
-        for (int64_t i = 0; i < kGroup; ++i) values[i] -= step * static_cast<float>(codes[i]);
-        a.steps[static_cast<size_t>((row + 1) * a.groups + g)] = quantize_group(values, codes + k);
-      }
+      const float step = peak / 127.0f, inverse = step > 0.0f ? 1.0f / step : 0.0f;
+      int8_t* out = a.values.data() + m * k + g * kGroup;
+      for (int64_t i = 0; i < kGroup; ++i) out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(group[i]) * inverse));
+      a.steps[static_cast<size_t>(m * a.groups + g)] = step;
+      a.sums[static_cast<size_t>(m * a.groups + g)] = sum;
     }
   }
   return a;
@@ -248,27 +232,9 @@ void matmul(const Activations& a, int64_t m_rows, const uint8_t* tiles, const at
 
 }  // namespace
 
-template <typename T, typename Out>
-void run(const T* x, int64_t m_rows, int64_t k, bool residual, const uint8_t* tiles, const at::BFloat16* scales,
-         int64_t n_out, Out* out) {
-  const Activations a = quantize_rows(x, m_rows, k, residual);
-  if (!residual) {
-    matmul(a, m_rows, tiles, scales, n_out, out);
-    return;
-  }
-  std::vector<float> both(static_cast<size_t>(2 * m_rows * n_out));  // each row's two halves, then summed
-  matmul(a, 2 * m_rows, tiles, scales, n_out, both.data());
-  for (int64_t m = 0; m < m_rows; ++m)
-    for (int64_t n = 0; n < n_out; ++n)
-      out[m * n_out + n] = static_cast<Out>(both[static_cast<size_t>(2 * m * n_out + n)] +
-                                            both[static_cast<size_t>((2 * m + 1) * n_out + n)]);
-}
-
 // x (M, K) float32 or bfloat16 -> out (M, N), same dtype; tiles (N/16, K/32, 4, 64) uint8, scales
-// (N/16, K/32, 2, 16) bfloat16 (native.py's tile_codes). `residual`: activations to int8 twice over
-// (quantize_rows), about twice the multiply-adds for the accuracy of bf16 rows.
-void int4_matmul(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales, torch::Tensor& out,
-                 bool residual) {
+// (N/16, K/32, 2, 16) bfloat16 (native.py's tile_codes).
+void int4_matmul(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales, torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: (M, K) contiguous");
   const int64_t m_rows = x.size(0), k = x.size(1), n_out = out.size(1);
   TORCH_CHECK(k % kGroup == 0, "K: groups of 32");
@@ -285,10 +251,12 @@ void int4_matmul(const torch::Tensor& x, const torch::Tensor& tiles, const torch
   const auto* tile_ptr = tiles.data_ptr<uint8_t>();
   const auto* scale_ptr = scales.data_ptr<at::BFloat16>();
   if (x.scalar_type() == torch::kFloat32) {
-    run(x.data_ptr<float>(), m_rows, k, residual, tile_ptr, scale_ptr, n_out, out.data_ptr<float>());
+    const Activations a = quantize_rows(x.data_ptr<float>(), m_rows, k);
+    matmul(a, m_rows, tile_ptr, scale_ptr, n_out, out.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
-    run(x.data_ptr<at::BFloat16>(), m_rows, k, residual, tile_ptr, scale_ptr, n_out, out.data_ptr<at::BFloat16>());
+    const Activations a = quantize_rows(x.data_ptr<at::BFloat16>(), m_rows, k);
+    matmul(a, m_rows, tile_ptr, scale_ptr, n_out, out.data_ptr<at::BFloat16>());
   }
 }
 

@@ -191,8 +191,7 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
         for name in names:
             module = modules[name]
             if isinstance(module, Int4Linear):
-                module.use_int8_dot(dot if shapes[key].int8_dot and module.int8_dot_fits else None,
-                                    residual=name.endswith("lm_head"))
+                module.use_int8_dot(dot if shapes[key].int8_dot and module.int8_dot_fits else None)
             module.set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
             fallbacks += self_check(name, modules[name], dtype=activations.dtype)
             if isinstance(module, Int4Linear):
@@ -251,10 +250,9 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleType | None = None) -> ShapePlan:
-    int8_dot = (isinstance(module, Int4Linear) and dot is not None and module.int8_dot_fits
-                and _dot_wins(module, dot, residual=head))
-    if isinstance(module, Int4Linear):  # the dense path races the weight-only kernel it will meet
-        module.use_int8_dot(dot if int8_dot else None, residual=head)
+    int8_dot = isinstance(module, Int4Linear) and dot is not None and module.int8_dot_fits and _dot_wins(module, dot)
+    if isinstance(module, Int4Linear):
+        module.use_int8_dot(dot if int8_dot else None)  # the dense path races the weight-only kernel it will meet
 
     def weight_only(x: torch.Tensor) -> Callable[[], object]:
         return lambda: module.weight_only(x.to(KERNEL_DTYPE))
@@ -278,11 +276,11 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
     return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings, int8_dot=int8_dot)
 
 
-def _dot_wins(module: Int4Linear, dot: ModuleType, *, residual: bool = False) -> bool:
+def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
     """The int8-dot kernel replaces torch's for every weight-only call (one kernel at every row count,
     so a stream's tokens do not depend on its batch) only where it wins by DOT_WINS' margins."""
     x = torch.randn(max(DOT_WINS), module.in_features, generator=torch.Generator().manual_seed(3)).to(KERNEL_DTYPE)
-    tiles = tile_codes(module.codes, module.scale_zeros, residual=residual)
+    tiles = tile_codes(module.codes, module.scale_zeros)
 
     def native(rows: torch.Tensor) -> Callable[[], object]:
         return lambda: int4_dot_matmul(rows, tiles, module=dot)

@@ -204,14 +204,13 @@ class Int4Linear(RowPlanned):
         return (self.group_size == DOT_GROUP and self.out_features % TILE_COLUMNS == 0
                 and self.in_features * self.out_features >= DOT_MIN_WEIGHTS)
 
-    def use_int8_dot(self, kernel: ModuleType | None, *, residual: bool = False) -> None:
-        """Weight-only calls through `kernel` (laying the codes out in its tiles once), or torch's (None).
-        `residual`: the head's two-pass activations (native.DotTiles)."""
+    def use_int8_dot(self, kernel: ModuleType | None) -> None:
+        """Weight-only calls through `kernel` (laying the codes out in its tiles once), or torch's (None)."""
         self.int8_dot = kernel
         if kernel is None:
             self.dot_tiles = None
-        elif self.dot_tiles is None or self.dot_tiles.residual != residual:
-            self.dot_tiles = tile_codes(self.codes, self.scale_zeros, residual=residual)
+        elif self.dot_tiles is None:
+            self.dot_tiles = tile_codes(self.codes, self.scale_zeros)
 
     def release_torch_packing(self) -> None:
         """Drop torch's packed copy while the int8-dot kernel takes every weight-only call."""

@@ -49,12 +49,9 @@ class DotTiles:
     codes: torch.Tensor  # (N/16, K/32, 4, 64) uint8
     scales: torch.Tensor  # (N/16, K/32, 2, 16) bf16
     out_features: int
-    # Activations to int8 twice over (the codes, then what they missed): ~bf16's accuracy for about
-    # twice the multiply-adds. For the head, whose rounding moves the logits greedy decoding picks from.
-    residual: bool = False
 
 
-def tile_codes(codes: torch.Tensor, scale_zeros: torch.Tensor, *, residual: bool = False) -> DotTiles:
+def tile_codes(codes: torch.Tensor, scale_zeros: torch.Tensor) -> DotTiles:
     """(N, K/2) uint8 codes in our layout and their (K/32, N', 2) bf16 scale and zero -> DotTiles.
     N must be a multiple of 16 (Int4Linear.int8_dot_fits)."""
     n, k = codes.shape[0], codes.shape[1] * 2
@@ -64,30 +61,30 @@ def tile_codes(codes: torch.Tensor, scale_zeros: torch.Tensor, *, residual: bool
     ordered = nibbles.permute(0, 2, 3, 4, 1, 5)
     tiled = (ordered[:, :, :, 0] | (ordered[:, :, :, 1] << 4)).reshape(blocks, groups, 4, 64).contiguous()
     scales = scale_zeros[:, :n].reshape(groups, blocks, TILE_COLUMNS, 2).permute(1, 0, 3, 2).contiguous()
-    return DotTiles(codes=tiled, scales=scales, out_features=n, residual=residual)
+    return DotTiles(codes=tiled, scales=scales, out_features=n)
 
 
 def int4_dot_matmul(x: torch.Tensor, tiles: DotTiles, *, module: ModuleType) -> torch.Tensor:
     """x (M, K) float32/bf16 @ the 4-bit weights (N, K).T -> (M, N) in x's dtype."""
     if torch.compiler.is_compiling():  # the compiled step (fullgraph) calls it as an op dynamo can trace
-        traced: torch.Tensor = _int4_dot_op(x, tiles.codes, tiles.scales, tiles.residual)
+        traced: torch.Tensor = _int4_dot_op(x, tiles.codes, tiles.scales)
         return traced
     out = torch.empty(x.shape[0], tiles.out_features, dtype=x.dtype)
-    module.int4_matmul(x, tiles.codes, tiles.scales, out, tiles.residual)
+    module.int4_matmul(x, tiles.codes, tiles.scales, out)
     return out
 
 
 @torch.library.custom_op("decodeservice::int4_dot_matmul", mutates_args=())
-def _int4_dot_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, residual: bool) -> torch.Tensor:
+def _int4_dot_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     module = int4_dot_extension()
     assert module is not None, "a module holds dot tiles only where the extension was built"
     out = torch.empty(x.shape[0], codes.shape[0] * TILE_COLUMNS, dtype=x.dtype)
-    module.int4_matmul(x, codes, scales, out, residual)
+    module.int4_matmul(x, codes, scales, out)
     return out
 
 
 @_int4_dot_op.register_fake
-def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, residual: bool) -> torch.Tensor:
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], codes.shape[0] * TILE_COLUMNS)
 
 

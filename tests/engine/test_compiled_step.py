@@ -114,7 +114,7 @@ def test_the_int8_dot_kernel_traces_into_the_compiled_step(int4_gguf: Path, monk
         pytest.skip("the int8-dot kernel needs AVX2 (ATen dispatches below it here)")
     monkeypatch.setenv("DECODESERVICE_KERNEL_CACHE", str(tmp_path))  # this plan must not reach other tests
     monkeypatch.setattr(linear, "DOT_MIN_WEIGHTS", 0)  # the tiny model's matrices: timing them means nothing,
-    monkeypatch.setattr(kernel_plan, "_dot_wins", lambda module, dot, residual: True)  # so the kernel is chosen outright
+    monkeypatch.setattr(kernel_plan, "_dot_wins", lambda module, dot: True)  # so the kernel is chosen outright
     compiled = Engine.from_pretrained(str(int4_gguf), quantization="int4", compile=True, kv_cache_gib=0.01, w8a8=False)
     eager = Engine(model=compiled.model, tokenizer=compiled.tokenizer,
                    config=EngineConfig(quantization="int4", kv_cache_gib=0.01, w8a8=False))

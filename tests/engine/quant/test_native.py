@@ -106,27 +106,6 @@ def test_int8_dot_kernel_is_as_close_as_w8a8_and_batch_invariant(int8_dot: types
         assert torch.equal(int4_dot_matmul(x[:rows].contiguous(), tiles, module=int8_dot), batch[:rows])
 
 
-def test_the_residual_pass_is_as_close_as_bf16_rows_and_batch_invariant(int8_dot: types.ModuleType) -> None:
-    """The head's two-pass activations (DotTiles.residual): the int8 rounding's error nearly gone, each
-    row still computed alone."""
-    module = Int4Linear(quantize_int4(gaussian(1040, 576, 12)))
-    x = gaussian(9, 576, 13)
-    reference = x @ module.torch_dense_weight(torch.float32).t()
-
-    def error(value: torch.Tensor) -> float:
-        return float((value.float() - reference).norm() / reference.norm())
-
-    residual = tile_codes(module.codes, module.scale_zeros, residual=True)
-    once = error(int4_dot_matmul(x, tile_codes(module.codes, module.scale_zeros), module=int8_dot))
-    twice = int4_dot_matmul(x, residual, module=int8_dot)  # fp32 rows and outputs: only the int8 rounding
-    assert error(twice) < once / 20
-    # In bf16 (the engine's call) the outputs' rounding is all that is left, as for torch's kernel.
-    rows = x.to(torch.bfloat16)
-    assert error(int4_dot_matmul(rows, residual, module=int8_dot)) < 1.5 * error(module.torch_weight_only(rows))
-    for count in (1, 2, 5):
-        assert torch.equal(int4_dot_matmul(x[:count].contiguous(), residual, module=int8_dot), twice[:count])
-
-
 def test_int8_dot_kernel_refuses_shapes_it_cannot_run(int8_dot: types.ModuleType) -> None:
     assert not Int4Linear(quantize_int4(gaussian(1000, 96, 1))).int8_dot_fits  # outputs not in blocks of 16
     assert not Int4Linear(quantize_int4(gaussian(1024, 128, 1), group_size=64)).int8_dot_fits
@@ -138,9 +117,8 @@ def test_int8_dot_kernel_refuses_shapes_it_cannot_run(int8_dot: types.ModuleType
 def test_self_check_turns_off_an_int8_dot_kernel_that_disagrees(int8_dot: types.ModuleType) -> None:
     class Shifted:  # the real kernel on the wrong rows' codes
         @staticmethod
-        def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor,
-                        residual: bool) -> None:
-            int8_dot.int4_matmul(x, codes.roll(1, dims=0).contiguous(), scale_zeros, out, residual)
+        def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor) -> None:
+            int8_dot.int4_matmul(x, codes.roll(1, dims=0).contiguous(), scale_zeros, out)
 
     module = Int4Linear(quantize_int4(gaussian(128, 64, 7)), dtype=torch.float32)
     module.use_int8_dot(Shifted)  # type: ignore[arg-type]
