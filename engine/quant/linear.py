@@ -152,7 +152,7 @@ class Int4Linear(RowPlanned):
     # module's self-check; None: torch's elementwise ops.
     native_dequant: ModuleType | None = None
     # The int8-dot C++ kernel for every weight-only call (native.py), where the kernel plan measured it
-    # faster than torch's at one row and at eight; None: torch's kernel. Set through use_int8_dot.
+    # winning by kernel_plan.DOT_WINS' margins; None: torch's kernel. Set through use_int8_dot.
     int8_dot: ModuleType | None = None
     dot_tiles: DotTiles | None = None
 
