@@ -38,12 +38,7 @@ from torch import nn
 
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4Linear, RowPlanned
-from decodeservice.engine.quant.native import (
-    dequant_extension,
-    int4_dot_extension,
-    int4_dot_matmul,
-    tile_codes,
-)
+from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension
 
 log = logging.getLogger("decodeservice.engine.kernels")
 T = TypeVar("T")
@@ -278,12 +273,13 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
 
 def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
     """The int8-dot kernel replaces torch's for every weight-only call (one kernel at every row count,
-    so a stream's tokens do not depend on its batch) only where it wins by DOT_WINS' margins."""
+    so a stream's tokens do not depend on its batch) only where it wins by DOT_WINS' margins. Times
+    the module's own path, so its tiles are laid out once: _measure keeps them where it wins."""
     x = torch.randn(max(DOT_WINS), module.in_features, generator=torch.Generator().manual_seed(3)).to(KERNEL_DTYPE)
-    tiles = tile_codes(module.codes, module.scale_zeros)
+    module.use_int8_dot(dot)
 
     def native(rows: torch.Tensor) -> Callable[[], object]:
-        return lambda: int4_dot_matmul(rows, tiles, module=dot)
+        return lambda: module.weight_only(rows)
 
     def stock(rows: torch.Tensor) -> Callable[[], object]:
         return lambda: module.torch_weight_only(rows)

@@ -161,7 +161,7 @@ class Int4Linear(RowPlanned):
         self.out_features, self.in_features = weight.shape
         self.group_size, self.dtype = weight.group_size, dtype
         self.dense_from, self.w8a8_from = DENSE_ROWS, (W8A8_ROWS if w8a8 else None)
-        pad = -self.out_features % 64
+        pad = self._padding_rows()
         self.register_buffer("codes", weight.packed, persistent=False)  # (N, K/2) uint8, our layout
         # torch's packed copy, built at its first use (torch_packing): where the kernel plan gives every
         # weight-only call to the int8-dot kernel it is never built, and the load's peak holds one copy
@@ -177,6 +177,11 @@ class Int4Linear(RowPlanned):
         self.register_buffer("w8a8_codes", codes, persistent=False)  # (N, K) int8
         self.register_buffer("w8a8_scales", scales, persistent=False)  # (N,) fp32
 
+    def _padding_rows(self) -> int:
+        """Rows torch's pack op and its scale_zeros are padded by, one count for both: the op wants N a
+        multiple of 16; padding rows have scale 0 and zero 0, and are sliced off the output."""
+        return -self.out_features % 64
+
     def torch_packing(self) -> torch.Tensor:
         """torch's kernel's packed copy of the codes, in whatever layout this ISA gives it (built once)."""
         if self.packed.numel() == 0:
@@ -184,8 +189,7 @@ class Int4Linear(RowPlanned):
         return self.packed
 
     def _pack_for_torch(self) -> torch.Tensor:
-        # The pack op wants N a multiple of 16; padding rows have scale 0 and zero 0, sliced off the output.
-        packed_rows = F.pad(self.codes, (0, 0, 0, -self.out_features % 64), value=0x88)  # code 8: 0 once padded
+        packed_rows = F.pad(self.codes, (0, 0, 0, self._padding_rows()), value=0x88)  # code 8: 0 once padded
         # The op takes int32 codes, 4 bytes a weight: convert 1024 rows at a time to keep that transient
         # small for the 49k-row head. Row-local packing is checked, not assumed: the kernel plan's self-check
         # compares this module's kernel output with the dense reference at load and falls back if it differs.
