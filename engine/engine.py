@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decodeservice.engine.attention import decode_matmul
-from decodeservice.engine.attention.context_plan import MatmulChoice, choose_min_context
+from decodeservice.engine.attention import native_decode
+from decodeservice.engine.attention.context_plan import AttentionChoice, choose_attention
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelConfig, SpeculativeConfig
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
@@ -100,18 +100,21 @@ class Engine:
         self.generation_tokens_total = 0
 
     # -- construction ------------------------------------------------------------------------------
-    def _choose_attention_path(self, cfg: ModelConfig, block_size: int) -> MatmulChoice | None:
-        """On CPU with a bf16/fp16 KV cache: this machine's context length from which a decode leaves
-        the flash kernel for decode_matmul.py (attention/context_plan.py)."""
+    def _choose_attention_path(self, cfg: ModelConfig, block_size: int) -> AttentionChoice | None:
+        """On CPU: this machine's context length from which a decode leaves the flash kernel for
+        decode_matmul.py (bf16/fp16 KV caches), and whether the native paged-decode kernel takes the
+        step's one-token decodes (attention/context_plan.py)."""
         backend = self.runner.attention_backend
-        if not isinstance(backend, PagedViewsBackend) or self.dtype not in decode_matmul.DTYPES:
+        if not isinstance(backend, PagedViewsBackend):
             return None
-        choice = choose_min_context(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                    num_layers=cfg.num_layers, dtype=self.dtype, block_size=block_size)
+        native = native_decode.decode_extension() if native_decode.applies(self.dtype, cfg.head_dim) else None
+        choice = choose_attention(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                  num_layers=cfg.num_layers, dtype=self.dtype, block_size=block_size, native=native)
         backend.matmul_from = choice.min_context
-        log.info("attention: decodes over %s keys take the two GEMMs (%s; flash vs GEMM us per call: %s / %s)",
-                 f"{choice.min_context}+" if choice.min_context else "no number of", choice.source,
-                 choice.timings_us["flash"], choice.timings_us["matmul"])
+        backend.decode_kernel = native if choice.native_decode else None
+        log.info("attention: decodes over %s keys take the two GEMMs; one-token decodes take %s (%s; per call, us: %s)",
+                 f"{choice.min_context}+" if choice.min_context else "no number of",
+                 "the native kernel" if choice.native_decode else "the torch paths", choice.source, choice.timings_us)
         return choice
 
     @classmethod

@@ -10,17 +10,21 @@ for (a): the G query heads sharing a K/V head are folded into the query length, 
 sees every prefix key. Measured against today's gather + masked SDPA in benchmarks/long_context.py.
 In bf16/fp16 a decode or verify over at least decode_matmul.MIN_CONTEXT keys skips the flash kernel
 for two GEMMs over the same views (decode_matmul.py: the kernel is slow for so few query rows).
+Where the engine measured it faster (context_plan.py), every one-token decode of a step goes through
+the native paged-decode kernel instead, in one call per layer (native_decode.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from decodeservice.engine.attention import decode_matmul
+from decodeservice.engine.attention import decode_matmul, native_decode
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
+from decodeservice.engine.attention.native_decode import DecodeGroup, build_decode_group
 from decodeservice.engine.attention.short_group import MAX_CONTEXT, ShortGroup, build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -130,6 +134,8 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
 class PagedViewsMetadata(AttentionMetadata):
     """AttentionMetadata plus what the CPU backend's plan() built once for every layer of the step."""
 
+    # The step's one-token decodes, for the native kernel.
+    decode_group: DecodeGroup | None = None
     # Short sequences batched into one padded call.
     short_group: ShortGroup | None = None
     # The step's only sequence decodes one token over keys in one run of slots (a single stream's
@@ -144,18 +150,28 @@ class PagedViewsBackend:
 
     name = "paged_views"
 
-    def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT) -> None:
+    def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT,
+                 decode_kernel: ModuleType | None = None) -> None:
         self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
+        # native_decode.decode_extension() where it takes one-token decodes (fp32/bf16 caches)
+        self.decode_kernel = decode_kernel
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
         # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
         # below short_group.MAX_CONTEXT, as tests do).
         gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
         max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
-        group = build_short_group(meta.spans, block_size=meta.block_size, device=meta.slot_mapping.device,
-                                  dtype=dtype, max_context=max_context)
+        device = meta.slot_mapping.device
+        decodes = build_decode_group(meta.spans, device=device) if self._native(dtype) else None
+        taken = decodes.span_indices if decodes is not None else frozenset()
+        group = build_short_group(meta.spans, block_size=meta.block_size, device=device, dtype=dtype,
+                                  max_context=max_context, exclude=taken)
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        return PagedViewsMetadata(**fields, short_group=group, single_run=self._single_run(meta, dtype))
+        return PagedViewsMetadata(**fields, decode_group=decodes, short_group=group,
+                                  single_run=None if decodes is not None else self._single_run(meta, dtype))
+
+    def _native(self, dtype: torch.dtype) -> bool:
+        return self.decode_kernel is not None and dtype in native_decode.DTYPES
 
     def _single_run(self, meta: AttentionMetadata, dtype: torch.dtype) -> SlotRun | None:
         """The run a single stream's one-token decode reads (_single_run_decode), else None."""
@@ -173,13 +189,21 @@ class PagedViewsBackend:
         single_run = planned.single_run if planned is not None else None
         if single_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             return _single_run_decode(q, k_cache, v_cache, single_run)
+        decodes = planned.decode_group if planned is not None and self.decode_kernel is not None else None
+        if decodes is not None:
+            assert self.decode_kernel is not None
+            decoded = decodes.attend(q, k_cache, v_cache, module=self.decode_kernel)  # (B, H, D)
+            if len(decodes.span_indices) == len(meta.spans) and decodes.covers_all_in_order:
+                return decoded  # every token of the step is a decode
         k_flat = k_cache.view(-1, *k_cache.shape[2:])  # (num_slots, Hkv, D)
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        if len(meta.spans) == 1:
+        if len(meta.spans) == 1 and decodes is None:
             return attend_span(q, k, v, k_flat, v_flat, meta.spans[0], block_size=meta.block_size,
                                matmul_from=self.matmul_from)
         group = planned.short_group if planned is not None else None
         out = torch.empty_like(q)  # (N, H, D)
+        if decodes is not None:
+            out[decodes.token_index] = decoded
         if group is not None:
             attended = group.attend(q, k_cache, v_cache)  # (B, Q, H, D)
             if group.covers_all_in_order:
@@ -189,7 +213,7 @@ class PagedViewsBackend:
             else:
                 out[group.query_index[group.query_valid]] = attended[group.query_valid]
         for i, span in enumerate(meta.spans):
-            if group is not None and i in group.span_indices:
+            if (group is not None and i in group.span_indices) or (decodes is not None and i in decodes.span_indices):
                 continue
             s, e = span.token_start, span.token_start + span.num_new
             out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span, block_size=meta.block_size,

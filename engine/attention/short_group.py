@@ -73,9 +73,11 @@ def _attend_batched_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 
 def build_short_group(spans: Seq[SequenceSpan], *, block_size: int, device: torch.device,
-                      dtype: torch.dtype, max_context: int = MAX_CONTEXT) -> ShortGroup | None:
-    """The group of the step's short sequences, or None when fewer than two qualify."""
-    chosen = [i for i, s in enumerate(spans) if s.num_new <= MAX_QUERY and s.context_len <= max_context]
+                      dtype: torch.dtype, max_context: int = MAX_CONTEXT,
+                      exclude: frozenset[int] = frozenset()) -> ShortGroup | None:
+    """The group of the step's short sequences but `exclude`, or None when fewer than two qualify."""
+    chosen = [i for i, s in enumerate(spans)
+              if i not in exclude and s.num_new <= MAX_QUERY and s.context_len <= max_context]
     if len(chosen) < 2:
         return None
     members = [spans[i] for i in chosen]

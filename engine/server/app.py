@@ -282,8 +282,9 @@ async def models(request: Request) -> Response:
         engine = state.aengine.engine
         if (plan := engine.model.kernel_plan) is not None:
             card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
-        if (attention := engine.attention_choice) is not None:  # CPU, bf16 KV: where decode_matmul.py takes over
-            card["attention"] = {"matmul_from_keys": attention.min_context, "source": attention.source}
+        if (attention := engine.attention_choice) is not None:  # CPU: where decode_matmul.py takes over, the native kernel
+            card["attention"] = {"matmul_from_keys": attention.min_context, "native_decode": attention.native_decode,
+                                 "source": attention.source}
         if engine.spec is not None:  # measured at start-up unless configured: what sets the drafts' k
             card["speculative"] = {"method": engine.spec.config.method, "draft_row_cost": round(engine.spec.row_cost, 4),
                                    "draft_row_cost_source": "configured" if engine.spec.config.draft_row_cost is not None

@@ -1,0 +1,112 @@
+"""The step's one-token decodes in one native call per layer, read in place from the pool (paged_decode.cpp).
+
+Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py). A build that
+fails or a kernel that disagrees with a float64 reference is logged and left out: the torch paths of
+paged_views.py run. Whether it runs at all is measured at start-up (context_plan.py), per machine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from decodeservice.engine.attention.metadata import SequenceSpan
+from decodeservice.engine.cpp_extensions import build_extension
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+DTYPES = (torch.float32, torch.bfloat16)
+# Keys per work item. A long sequence is split so both cores share it (flash-decoding) and a chunk's
+# scores (H x chunk fp32) stay in L1/L2; measured per call in benchmarks/long_context.py.
+CHUNK = 256
+
+
+def applies(dtype: torch.dtype, head_dim: int) -> bool:
+    """The cache dtypes and head sizes the kernel takes (2 to 16 vectors of 8 or 16 floats)."""
+    return dtype in DTYPES and head_dim in (32, 64, 128)
+
+
+@functools.cache
+def decode_extension() -> ModuleType | None:
+    """The built kernel, or None (disabled, no toolchain, or wrong results: logged)."""
+    return build_extension(SOURCE, what="paged decode attention", check=_agrees)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeGroup:
+    """The step's one-token decodes: which spans, their packed tokens and the kernel's tables."""
+
+    span_indices: frozenset[int]
+    token_index: torch.Tensor  # (B,) packed token of each decode
+    block_tables: torch.Tensor  # (B, M) int32, padded with block 0
+    context_lens: torch.Tensor  # (B,) int32
+    covers_all_in_order: bool  # the decodes are tokens 0 .. B - 1 in order
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, module: ModuleType) -> torch.Tensor:
+        """q (N, H, D) -> (B, H, D) for the group's decodes."""
+        b = self.token_index.shape[0]
+        queries = q[:b] if self.covers_all_in_order else q.index_select(0, self.token_index)
+        return paged_decode(queries.contiguous(), k_cache, v_cache, self.block_tables, self.context_lens, module=module)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, *, module: ModuleType, chunk: int = CHUNK) -> torch.Tensor:
+    """q (B, H, D), caches (num_blocks, block_size, Hkv, D), tables (B, M) int32, lengths (B,) -> (B, H, D)."""
+    out = torch.empty_like(q)
+    module.paged_decode(q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, chunk, out)
+    return out
+
+
+def build_decode_group(spans: Seq[SequenceSpan], *, device: torch.device) -> DecodeGroup | None:
+    """Every one-token decode of the step, or None when there is none."""
+    chosen = [i for i, s in enumerate(spans) if s.num_new == 1]
+    if not chosen:
+        return None
+    members = [spans[i] for i in chosen]
+    width = max(s.block_table.shape[0] for s in members)
+    tables = torch.zeros((len(members), width), dtype=torch.int32, device=device)
+    for row, span in enumerate(members):
+        tables[row, : span.block_table.shape[0]] = span.block_table
+    starts = [s.token_start for s in members]
+    return DecodeGroup(
+        span_indices=frozenset(chosen),
+        token_index=torch.tensor(starts, dtype=torch.long, device=device),
+        block_tables=tables,
+        context_lens=torch.tensor([s.context_len for s in members], dtype=torch.int32, device=device),
+        covers_all_in_order=starts == list(range(len(members))),
+    )
+
+
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor) -> torch.Tensor:
+    """The same attention in float64 torch ops, gathered per sequence: what the kernel is checked against."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = q.shape[1] // hkv
+    for i, length in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, : -(-length // bs)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:length].double().repeat_interleave(g, dim=1)  # (L, H, D)
+        values = v_cache[blocks].flatten(0, 1)[:length].double().repeat_interleave(g, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), keys) * q.shape[-1] ** -0.5
+        out[i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+def _agrees(module: ModuleType) -> bool:
+    """Against float64 on random pools: scattered tables, a partial last block, chunks merged, GQA."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(40, 16, 2, 64, generator=gen)
+    v_cache = torch.randn(40, 16, 2, 64, generator=gen)
+    lengths = torch.tensor([1, 17, 300, 129], dtype=torch.int32)
+    tables = torch.randint(0, 40, (4, 19), generator=gen, dtype=torch.int32)  # blocks reused: still a valid read
+    q = torch.randn(4, 6, 64, generator=gen)
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        value = paged_decode(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables, lengths, module=module, chunk=128)
+        reference = reference_decode(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables, lengths)
+        if not torch.allclose(value.double(), reference, rtol=tolerance, atol=tolerance):
+            return False
+    return True

@@ -1,0 +1,296 @@
+// One-token decode attention read straight from the paged KV pool (engine/attention/native_decode.py).
+//
+// Why: a decode has G query rows per K/V head, too few for the CPU flash kernel to reach memory speed
+// (measured ~6 GB/s of K/V in the engine's step, where a core streams 11-13), and a batch of short
+// decodes paid a gather of every block (index_select) before its GEMMs. Here every sequence's keys are
+// read in place through its block table, each K/V row once for all of its G query heads, in one call
+// per layer for the whole step, parallel over (sequence, chunk of keys).
+//
+// Per work item (a sequence and a chunk of at most `chunk` keys): the scores of every query head over
+// the chunk (fp32, pre-scaled query), the chunk's max and exp, then the value rows weighted; a
+// sequence split into several chunks is merged by its chunks' log-sum-exp (flash-decoding). The
+// softmax and every sum are fp32 whatever the cache holds (fp32 or bf16).
+// One source for AVX2 and AVX-512: the vector type follows the ISA flags of engine/cpp_extensions.py.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// One vector of fp32 lanes: AVX-512 where the build has it, else AVX2 (the ISA flags choose).
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline float sum(Vec v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+#endif
+
+// exp(x) for x <= 0 (scores minus their max), Cephes' expf: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2].
+// Relative error ~2e-7; written so the vectorizer takes it (std::exp would be a scalar libm call).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+struct Item {
+  int64_t sequence, first_key, num_keys;
+};
+
+// The element offset of each of the chunk's keys in the pool, computed once per chunk: a division
+// per key and head in the loops below cost more than their arithmetic.
+void slot_offsets(const int32_t* table, int64_t block_size, int64_t slot_stride, const Item& item,
+                  std::vector<int64_t>& offsets) {
+  offsets.resize(static_cast<size_t>(item.num_keys));
+  int64_t key = item.first_key, t = 0;
+  while (t < item.num_keys) {
+    const int64_t block = key / block_size, within = key % block_size;
+    const int64_t run = std::min(block_size - within, item.num_keys - t);
+    const int64_t base = (static_cast<int64_t>(table[block]) * block_size + within) * slot_stride;
+    for (int64_t i = 0; i < run; ++i) offsets[static_cast<size_t>(t + i)] = base + i * slot_stride;
+    t += run;
+    key += run;
+  }
+}
+
+// A K/V row of D elements as kChunks vectors of fp32. bf16 is the high half of an fp32, so a vector of
+// 2 * kLanes bf16 splits into its even elements (shifted up) and its odd ones (masked) with no shuffle:
+// the shuffle ports were the bottleneck of the widening loads. A row is then held in "stored order"
+// (evens, odds per pair of vectors); the query is laid out the same way and the output laid back.
+template <int64_t kChunks>
+inline void load_row(const float* p, Vec* row) {
+  for (int64_t c = 0; c < kChunks; ++c) row[c] = load(p + c * kLanes);
+}
+
+template <int64_t kChunks>
+inline void load_row(const c10::BFloat16* p, Vec* row) {
+  for (int64_t c = 0; c < kChunks; c += 2) {
+#ifdef __AVX512F__
+    const __m512i raw = _mm512_loadu_si512(p + c * kLanes);
+    row[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    row[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+#else
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * kLanes));
+    row[c] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    row[c + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+#endif
+  }
+}
+
+// Where element e of a row sits in stored order (the identity for fp32).
+template <typename T>
+int64_t stored_index(int64_t e) {
+  if (!std::is_same<T, c10::BFloat16>::value) return e;
+  const int64_t pair = e / (2 * kLanes), within = e % (2 * kLanes);
+  return (2 * pair + (within & 1)) * kLanes + within / 2;
+}
+
+inline void prefetch_slot(const void* slot, int64_t bytes) {
+  const char* p = static_cast<const char*>(slot);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+constexpr int64_t kPrefetchKeys = 4;  // how many keys ahead the next slots are requested
+
+// One chunk of one sequence, all heads, each slot's K (then V) rows read once in pool order: per query
+// head the max score, the sum of exp and the unnormalized output (stored order). kChunks = D / kLanes.
+template <int64_t kChunks, typename T>
+void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const T* k_pool, const T* v_pool,
+                  const std::vector<int64_t>& offsets, const Item& item, int64_t hkv, int64_t groups,
+                  float* max_out /* (H) */, float* sum_out /* (H) */, float* acc /* (H, D) */,
+                  std::vector<float>& scores) {
+  constexpr int64_t d = kChunks * kLanes;
+  const int64_t n = item.num_keys, h = hkv * groups, slot_bytes = hkv * d * static_cast<int64_t>(sizeof(T));
+  scores.resize(static_cast<size_t>(h * n));
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(t + kPrefetchKeys)], slot_bytes);
+    const T* slot = k_pool + offsets[static_cast<size_t>(t)];
+    for (int64_t j = 0; j < hkv; ++j) {
+      Vec k[kChunks];
+      load_row<kChunks>(slot + j * d, k);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* q = queries + (j * groups + g) * d;
+        Vec dot = zero();
+        for (int64_t c = 0; c < kChunks; ++c) dot = fmadd(load(q + c * kLanes), k[c], dot);
+        scores[static_cast<size_t>((j * groups + g) * n + t)] = sum(dot);
+      }
+    }
+  }
+  for (int64_t head = 0; head < h; ++head) {
+    float* s = scores.data() + head * n;
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) peak = std::max(peak, s[t]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_nonpositive(s[t] - peak);
+      total += s[t];
+    }
+    max_out[head] = peak;
+    sum_out[head] = total;
+  }
+  std::fill(acc, acc + h * d, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchKeys < n) prefetch_slot(v_pool + offsets[static_cast<size_t>(t + kPrefetchKeys)], slot_bytes);
+    const T* slot = v_pool + offsets[static_cast<size_t>(t)];
+    for (int64_t j = 0; j < hkv; ++j) {
+      Vec v[kChunks];
+      load_row<kChunks>(slot + j * d, v);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t head = j * groups + g;
+        const Vec weight = broadcast(scores[static_cast<size_t>(head * n + t)]);
+        float* out = acc + head * d;
+        for (int64_t c = 0; c < kChunks; ++c) store(out + c * kLanes, fmadd(weight, v[c], load(out + c * kLanes)));
+      }
+    }
+  }
+}
+
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+            const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
+  const int64_t max_blocks = tables.size(1);
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(static_cast<size_t>(b + 1));
+  for (int64_t s = 0; s < b; ++s) {
+    first_item[static_cast<size_t>(s)] = static_cast<int64_t>(items.size());
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "context length outside its block table");
+    const int32_t* row = tables.data_ptr<int32_t>() + s * max_blocks;
+    for (int64_t blk = 0; blk < (lens[s] + block_size - 1) / block_size; ++blk)
+      TORCH_CHECK(row[blk] >= 0 && row[blk] < k_cache.size(0), "block id outside the pool");
+    for (int64_t first = 0; first < lens[s]; first += chunk) items.push_back({s, first, std::min<int64_t>(chunk, lens[s] - first)});
+  }
+  first_item[static_cast<size_t>(b)] = static_cast<int64_t>(items.size());
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::vector<float> maxes(static_cast<size_t>(num_items * h)), sums(static_cast<size_t>(num_items * h));
+  std::vector<float> accs(static_cast<size_t>(num_items * h * d));
+  const T* k_pool = k_cache.data_ptr<T>();
+  const T* v_pool = v_cache.data_ptr<T>();
+  const T* q_data = q.data_ptr<T>();
+  const int32_t* table_data = tables.data_ptr<int32_t>();
+  const int64_t chunks = d / kLanes;
+  std::vector<int64_t> order(static_cast<size_t>(d));  // element e's place in stored order
+  for (int64_t e = 0; e < d; ++e) order[static_cast<size_t>(e)] = stored_index<T>(e);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(static_cast<size_t>(h * d)), scores;
+    std::vector<int64_t> offsets;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[static_cast<size_t>(i)];
+      const T* q_row = q_data + item.sequence * h * d;
+      for (int64_t head = 0; head < h; ++head)
+        for (int64_t e = 0; e < d; ++e)
+          queries[static_cast<size_t>(head * d + order[static_cast<size_t>(e)])] =
+              static_cast<float>(q_row[head * d + e]) * static_cast<float>(scale);
+      slot_offsets(table_data + item.sequence * max_blocks, block_size, hkv * d, item, offsets);
+      float *m = maxes.data() + i * h, *l = sums.data() + i * h, *acc = accs.data() + i * h * d;
+      switch (chunks) {
+        case 2: attend_chunk<2>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        case 4: attend_chunk<4>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        case 8: attend_chunk<8>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        default: attend_chunk<16>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+      }
+    }
+  });
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, b, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(static_cast<size_t>(d));
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t lo = first_item[static_cast<size_t>(s)], hi = first_item[static_cast<size_t>(s + 1)];
+      for (int64_t head = 0; head < h; ++head) {
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t i = lo; i < hi; ++i) peak = std::max(peak, maxes[static_cast<size_t>(i * h + head)]);
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        float total = 0.0f;
+        for (int64_t i = lo; i < hi; ++i) {
+          const float weight = std::exp(maxes[static_cast<size_t>(i * h + head)] - peak);
+          total += weight * sums[static_cast<size_t>(i * h + head)];
+          const float* acc = accs.data() + (i * h + head) * d;
+          for (int64_t e = 0; e < d; ++e) merged[static_cast<size_t>(e)] += weight * acc[e];
+        }
+        T* dst = out_data + (s * h + head) * d;
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(merged[static_cast<size_t>(order[static_cast<size_t>(e)])] / total);
+      }
+    }
+  });
+}
+
+// q (B, H, D); caches (num_blocks, block_size, Hkv, D), the same dtype (fp32 or bf16), contiguous;
+// tables (B, M) int32 block ids; context_lens (B,) int32, each >= 1 and covered by its table row.
+// Writes out (B, H, D) in q's dtype.
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                  const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shapes: q (B, H, D), caches (NB, BS, Hkv, D)");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "q, the caches and out share one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "heads: H a multiple of Hkv, one D");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt && tables.is_contiguous() &&
+              tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "int32 tables (B, M) and lengths (B,)");
+  TORCH_CHECK(chunk > 0 && out.sizes() == q.sizes(), "chunk > 0 and out shaped as q");
+  const int64_t chunks = q.size(2) / kLanes;
+  TORCH_CHECK(q.size(2) % kLanes == 0 && (chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16),
+              "head_dim must be 2, 4, 8 or 16 vectors of ", kLanes, " floats");
+  if (q.scalar_type() == at::kFloat) {
+    decode<float>(q, k_cache, v_cache, tables, context_lens, scale, chunk, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode<c10::BFloat16>(q, k_cache, v_cache, tables, context_lens, scale, chunk, out);
+  } else {
+    TORCH_CHECK(false, "fp32 or bf16 caches only");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "one-token decode attention over the paged pool (see the file header)");
+}

@@ -1,0 +1,134 @@
+"""attention/native_decode.py: the native paged-decode kernel equals float64 attention over the pool, refuses
+bad tables, and the CPU backend hands it exactly the step's one-token decodes."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodeservice.engine.attention import StepAttention, attend, native_decode
+from decodeservice.engine.attention.paged_views import PagedViewsBackend
+from tests.engine.attention.test_backends import SEQUENCES, build_step
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    module = native_decode.decode_extension()
+    if module is None:
+        pytest.skip("the native kernel did not build here (no AVX2, or no compiler): the torch paths run")
+    return module
+
+
+def random_pool(gen: torch.Generator, *, lengths: list[int], heads: int, kv_heads: int, head_dim: int,
+                block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Caches with scattered, unequal tables (blocks in shuffled pool order) and one query per sequence."""
+    widths = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(widths) + 3
+    k_cache, v_cache = ((torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) * 3).to(dtype)
+                        for _ in range(2))
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
+    start = 0
+    for row, width in enumerate(widths):
+        tables[row, :width] = order[start : start + width]
+        start += width
+    q = (torch.randn(len(lengths), heads, head_dim, generator=gen) * 3).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def sdpa_error(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               lengths: torch.Tensor, reference: torch.Tensor) -> float:
+    """The error of torch's own SDPA in the same dtype: the yardstick for the kernel's."""
+    bs = k_cache.shape[1]
+    worst = 0.0
+    for i, n in enumerate(lengths.tolist()):
+        blocks = tables[i, : -(-n // bs)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+        out = F.scaled_dot_product_attention(q[i].unsqueeze(0).unsqueeze(2), keys, values, enable_gqa=True)
+        worst = max(worst, float((out[0, :, 0].double() - reference[i]).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 32, 32), (8, 2, 128, 16)], ids=["smollm2", "mha_d32", "gqa_d128"])
+@pytest.mark.parametrize("chunk", [256, 7], ids=["chunk256", "chunk7"])
+def test_kernel_equals_float64_attention(kernel: ModuleType, dtype: torch.dtype, heads: int, kv_heads: int,
+                                         head_dim: int, block_size: int, chunk: int) -> None:
+    # Lengths: the first token, a partial block, exactly one block, several chunks merged by log-sum-exp.
+    gen = torch.Generator().manual_seed(head_dim + chunk)
+    q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[1, 5, block_size, 300, 613], heads=heads,
+                                                       kv_heads=kv_heads, head_dim=head_dim,
+                                                       block_size=block_size, dtype=dtype)
+    out = native_decode.paged_decode(q, k_cache, v_cache, tables, lengths, module=kernel, chunk=chunk)
+    reference = native_decode.reference_decode(q, k_cache, v_cache, tables, lengths)
+    assert out.dtype == dtype and out.shape == q.shape
+    error = float((out.double() - reference).abs().max())
+    yardstick = sdpa_error(q, k_cache, v_cache, tables, lengths, reference)
+    # fp32: ~1e-6 against SDPA's ~1e-6; bf16: the output's rounding, as SDPA's.
+    assert error <= 2 * yardstick + 1e-5, f"kernel {error:.2e}, SDPA {yardstick:.2e}"
+
+
+def test_one_sequence_alone_equals_it_in_a_batch(kernel: ModuleType) -> None:
+    # A sequence's result does not depend on what else the step decodes (nor on the thread split).
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[40, 700, 3], heads=9, kv_heads=3, head_dim=64,
+                                                       block_size=16, dtype=torch.bfloat16)
+    batch = native_decode.paged_decode(q, k_cache, v_cache, tables, lengths, module=kernel)
+    alone = native_decode.paged_decode(q[1:2].contiguous(), k_cache, v_cache, tables[1:2].contiguous(), lengths[1:2],
+                                       module=kernel)
+    assert torch.equal(batch[1:2], alone)
+
+
+def test_bad_tables_are_refused_not_read(kernel: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(6)
+    q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[20, 33], heads=9, kv_heads=3, head_dim=64,
+                                                       block_size=16, dtype=torch.float32)
+    beyond = lengths.clone()
+    beyond[1] = tables.shape[1] * 16 + 1  # more keys than its table covers
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        native_decode.paged_decode(q, k_cache, v_cache, tables, beyond, module=kernel)
+    outside = tables.clone()
+    outside[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        native_decode.paged_decode(q, k_cache, v_cache, outside, lengths, module=kernel)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native_decode.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lengths, module=kernel)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_the_backend_hands_it_the_decodes_and_the_rest_to_torch(kernel: ModuleType, dtype: torch.dtype,
+                                                                atol: float) -> None:
+    # The mixed step of test_backends (decodes, verifies, prompt chunks; scattered and contiguous tables):
+    # the three decodes go to the kernel in one call, the short verifies still share the padded group.
+    backend = PagedViewsBackend(decode_kernel=kernel)
+    step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, head_dim=64)
+    planned = backend.plan(step.meta, dtype=dtype)
+    decodes = [i for i, (num_new, _, _) in enumerate(SEQUENCES) if num_new == 1]
+    assert planned.decode_group is not None and planned.decode_group.span_indices == frozenset(decodes)
+    assert planned.short_group is not None and not planned.short_group.span_indices & set(decodes)
+    out = attend(q, k, v, k_cache, v_cache, StepAttention(meta=planned, backend=backend))
+    torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
+
+
+def test_a_step_of_decodes_only_is_one_call(kernel: ModuleType) -> None:
+    backend = PagedViewsBackend(decode_kernel=kernel)
+    gen = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[9, 64, 130], heads=9, kv_heads=3, head_dim=64,
+                                                       block_size=16, dtype=torch.bfloat16)
+    from decodeservice.engine.attention import AttentionMetadata, SequenceSpan, slot_runs
+
+    spans = tuple(SequenceSpan(token_start=i, num_new=1, context_len=int(n),
+                               runs=slot_runs(tables[i].tolist(), num_tokens=int(n), block_size=16),
+                               block_table=tables[i, : -(-int(n) // 16)].long()) for i, n in enumerate(lengths))
+    last = [int(tables[i, (int(n) - 1) // 16]) * 16 + (int(n) - 1) % 16 for i, n in enumerate(lengths)]
+    meta = backend.plan(AttentionMetadata(slot_mapping=torch.tensor(last), spans=spans, block_size=16),
+                        dtype=torch.bfloat16)
+    assert meta.decode_group is not None and meta.decode_group.covers_all_in_order
+    assert meta.short_group is None and meta.single_run is None
+    k_new, v_new = (c.view(-1, 3, 64)[torch.tensor(last)] for c in (k_cache, v_cache))  # already in the pool
+    out = backend.attend(q, k_new, v_new, k_cache, v_cache, meta)
+    assert torch.equal(out, native_decode.paged_decode(q, k_cache, v_cache, tables, lengths, module=kernel))
