@@ -177,6 +177,9 @@ void run_task(const Activations& a, int64_t row0, const uint8_t* tiles, const at
   for (int64_t g = 0; g < groups; ++g) {
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    // Not unrolled: unrolled, the compiler hoisted every product of the group ahead of its sums and
+    // spilled them to the stack (16 ymm registers).
+#pragma GCC unroll 1
     for (int64_t j = 0; j < 4; ++j) {
       const uint8_t* chunk = tiles + (block * groups + g) * kGroupBytes + j * 64 + half * 32;
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
@@ -185,8 +188,8 @@ void run_task(const Activations& a, int64_t row0, const uint8_t* tiles, const at
       for (int r = 0; r < R; ++r) {
         const __m256i x_low = _mm256_set1_epi32(a.quad(row0 + r, g * kGroup + 8 * j));
         const __m256i x_high = _mm256_set1_epi32(a.quad(row0 + r, g * kGroup + 8 * j + 4));
-        dot[r] = _mm256_add_epi16(dot[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low),
-                                                           _mm256_maddubs_epi16(high, x_high)));
+        dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(low, x_low));
+        dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(high, x_high));
       }
     }
     const at::BFloat16* sz = scales + (block * groups + g) * 2 * kBlock + half * 8;

@@ -65,8 +65,8 @@ NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
 # 3: dense thresholds as measured (the floor for mixed steps at the call); 4: native dequant; 5: int8 dot;
-# 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it)
-PLAN_VERSION = 6
+# 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it); 7: it takes fp32 rows as they are
+PLAN_VERSION = 7
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,7 +212,7 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
     failed: list[str] = []
 
     def weight_only_error() -> float:
-        return _relative_error(module.weight_only(x.to(KERNEL_DTYPE)).float()[:, index], reference)
+        return _relative_error(module.weight_only_rows(x.to(dtype)).float()[:, index], reference)
 
     if isinstance(module, Int4Linear) and module.native_dequant is not None:
         native = module.dense_weight(dtype)[index].float()
@@ -250,7 +250,7 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
         module.use_int8_dot(dot if int8_dot else None)  # the dense path races the weight-only kernel it will meet
 
     def weight_only(x: torch.Tensor) -> Callable[[], object]:
-        return lambda: module.weight_only(x.to(KERNEL_DTYPE))
+        return lambda: module.weight_only_rows(x)
 
     def dense(x: torch.Tensor) -> Callable[[], object]:
         return lambda: F.linear(x, module.dense_weight(dtype))  # the dequantization is part of the path

@@ -105,8 +105,12 @@ class RowPlanned(nn.Module):
         elif self.takes_dense(rows):
             out = F.linear(flat, self.dense_weight(flat.dtype))
         else:
-            out = self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
+            out = self.weight_only_rows(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """(M, K) rows in the activations' dtype -> (M, N) the same dtype, through the weight-only kernel."""
+        return self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
 
     def takes_dense(self, rows: int) -> bool:
         if self.dense_from is None:
@@ -220,6 +224,13 @@ class Int4Linear(RowPlanned):
         """Drop torch's packed copy while the int8-dot kernel takes every weight-only call."""
         if self.int8_dot is not None:
             self.packed = self.packed.new_empty(0)
+
+    def weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        # The int8-dot kernel takes fp32 rows as they are: on a CPU without native bf16 the round trip
+        # through bf16 was two copies per projection (242 of a decode step's copies) for nothing.
+        if self.int8_dot is not None and self.dot_tiles is not None:
+            return int4_dot_matmul(flat, self.dot_tiles, module=self.int8_dot)
+        return super().weight_only_rows(flat)
 
     def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         if self.int8_dot is not None and self.dot_tiles is not None:

@@ -91,9 +91,26 @@ def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
 def dequantize_int4(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, dtype: torch.dtype,
                     *, module: ModuleType) -> torch.Tensor:
     """(N, K/2) uint8 codes, (K/G, N', 2) bf16 scale and zero -> (N, K) `dtype`."""
+    if torch.compiler.is_compiling():  # a compiled step whose rows go dense (a plan that chose dense from 1 row)
+        traced: torch.Tensor = _dequantize_op(codes, scale_zeros, group, dtype)
+        return traced
     out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
     module.dequantize_int4(codes, scale_zeros, group, out)
     return out
+
+
+@torch.library.custom_op("decodeservice::dequantize_int4", mutates_args=())
+def _dequantize_op(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    module = dequant_extension()
+    assert module is not None, "a module dequantizes natively only where the extension was built"
+    out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
+    module.dequantize_int4(codes, scale_zeros, group, out)
+    return out
+
+
+@_dequantize_op.register_fake
+def _(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
 
 
 def _reference_weight(codes: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
