@@ -10,8 +10,9 @@ For each context N: a document of N tokens, then a question of about 10 tokens.
 - hit: TTFT of the same document + question B, the document now in the prefix cache (llama.cpp
   reuses its context's common prefix the same way);
 - the engine's decode tokens/s again over the same context with the gather backend (the per-step copy
-  of the whole cache that the paged-views backend replaced) and with the paged-views backend on the
-  flash kernel only (before decode_matmul.py), so the mechanisms meet in one run.
+  of the whole cache that the paged-views backend replaced), with the paged-views backend on the
+  flash kernel only (before decode_matmul.py), and with the engine's choices but the native
+  paged-decode kernel (native_decode.py), so the mechanisms meet in one run.
 The reference for the decode target is the same engine decoding after an 8-token prompt (best of
 two); decode ratios take the best of the default backend's three measurements at a context (miss,
 hit, hit again) and of llama.cpp's two (miss, hit), which run right after the engine's at that context. Then one
@@ -42,6 +43,7 @@ from decodeservice.engine.attention import (
     SequenceSpan,
     StepAttention,
     attend,
+    native_decode,
     slot_runs,
 )
 from decodeservice.engine.attention.gather import GatherBackend
@@ -115,6 +117,8 @@ def attention_options(contexts: list[int], repeats: int, dtype: torch.dtype) -> 
     backends: list[tuple[str, AttentionBackend]] = [
         ("views", PagedViewsBackend()), ("views_flash_only", PagedViewsBackend(matmul_from=None)),
         ("gather", GatherBackend())]
+    if (kernel := native_decode.decode_extension()) is not None and native_decode.applies(dtype, d):
+        backends.append(("native", PagedViewsBackend(decode_kernel=kernel)))
     scattered = torch.randperm(pool_blocks, generator=gen).tolist()
     results: dict[str, Any] = {}
     for length in contexts:
@@ -132,9 +136,13 @@ def attention_options(contexts: list[int], repeats: int, dtype: torch.dtype) -> 
                 slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(total - q_len, total)])
                 meta = AttentionMetadata(slot_mapping=slots, spans=(span,), block_size=bs)
                 for name, backend in backends:
-                    if name != "views" and layout == "scattered":
+                    if name not in ("views", "native") and layout == "scattered":
                         continue  # a copy does not care where the blocks lie
-                    step = StepAttention(meta=meta, backend=backend)
+                    if name == "native" and q_len > 1:
+                        continue  # it takes one-token decodes only
+                    # planned as in a step: the native kernel's block table is built by plan()
+                    step = StepAttention(meta=backend.plan(meta, dtype=dtype) if name == "native" else meta,
+                                         backend=backend)
                     args = (q, k, v, k_cache, v_cache, step)
                     row[f"{label}_{name}_{layout}_us"] = best_us(lambda args=args: attend(*args), repeats)
             if q_len == 1:
@@ -204,6 +212,8 @@ def main() -> int:
             for _ in range(2))}
     gather, views = GatherBackend(), engine.runner.attention_backend
     flash_only = PagedViewsBackend(matmul_from=None)
+    # The engine's own choices but the native paged-decode kernel: that kernel's A/B.
+    torch_paths = PagedViewsBackend(matmul_from=getattr(views, "matmul_from", None))
     # Engine and llama.cpp take turns per context, so a change in the machine's load between them
     # weighs on both; decode ratios use the best of each side's measurements at that context
     # (interference only ever slows a measurement down).
@@ -216,6 +226,8 @@ def main() -> int:
         copied = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         engine.runner.attention_backend = flash_only
         flash = engine_clocks(engine, doc + questions[1], args.decode_tokens)
+        engine.runner.attention_backend = torch_paths
+        torch_only = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         engine.runner.attention_backend = views
         again = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         best = max(m["decode_tokens_per_s"] for m in (miss, hit, again))
@@ -226,6 +238,7 @@ def main() -> int:
             # The A/B of decode_matmul.py: the same hit request on the flash kernel only, then again on
             # the default backend (the third measurement of the default at this context).
             "decode_tokens_per_s_flash_only": flash["decode_tokens_per_s"],
+            "decode_tokens_per_s_without_native_kernel": torch_only["decode_tokens_per_s"],
             "decode_tokens_per_s_views_again": again["decode_tokens_per_s"],
             "decode_tokens_per_s_best": best,
             "decode_vs_short_context": best / result["engine_short_context_decode_tokens_per_s"],
