@@ -106,7 +106,9 @@ class KernelPlan:
             "cpu": self.cpu.describe(),
             "activations": str(self.activations.dtype).removeprefix("torch."),
             "activations_reason": self.activations.reason,
-            "weight_only_kernel_rows": str(KERNEL_DTYPE).removeprefix("torch."),
+            # the dtype each weight-only kernel takes its rows in: torch's bf16, the int8-dot kernel as they are
+            "weight_only_kernel_rows": {"torch int4": str(KERNEL_DTYPE).removeprefix("torch."),
+                                        "int8 dot (native)": str(self.activations.dtype).removeprefix("torch.")},
             "native_dequant": self.native_dequant,
             "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot else "torch int4",
                            "dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
@@ -125,7 +127,7 @@ def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int,
     if not cpu.native_bf16:
         return ActivationChoice(dtype=torch.float32, reason=(
             f"no native bf16 here (ATen {cpu.aten}, oneDNN cap {cpu.onednn_max_isa or 'none'}): fp32 activations "
-            "and KV cache, bf16 only at the weight-only kernels' calls"))
+            "and KV cache, bf16 only at the calls of torch's weight-only kernels"))
     k, n = max(hidden, 1024), max(intermediate, 1024)
     cache = plan_cache_path(cache_dir, cpu, torch.bfloat16, [f"activations {k}x{n}"], prefix="activations")
     raw = read_cached(cache, lambda raw: (getattr(torch, raw["dtype"]), str(raw["reason"])))
