@@ -51,9 +51,17 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert len(pids) == 3 and not any(alive(p) for p in pids)  # engine twice, proxy once: all stopped
 
 
+def sigint_as_a_terminal_leaves_it() -> None:
+    # A shell without job control starts a background job (`.ci/run &`, nohup-style runners) with SIGINT
+    # ignored, every descendant inherits that, and Python then installs no KeyboardInterrupt handler: the
+    # demo rightly ignores the signal there. Ctrl-C in a terminal finds SIGINT at its default; so does this.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     proc = subprocess.Popen([*DECODECTL, "demo", "--quick", "--out", str(tmp_path / "demo")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=sigint_as_a_terminal_leaves_it)
     assert proc.stderr is not None
     pids: list[int] = []
     deadline = time.monotonic() + 300
