@@ -85,6 +85,21 @@ inline float exp_nonpositive(float x) {
   return negligible ? 0.0f : y * scale;
 }
 
+// The cache lines of one slot (every K/V head's row of one key) requested ahead of their use. Blocks
+// are scattered over the pool, so the hardware prefetcher restarts at every block (16 keys) and the
+// loads and the arithmetic did not overlap (~4 GB/s from a pool out of cache against ~9 for a plain
+// read). Requested here: the K rows kPrefetchKeys ahead, and the V rows of the keys being scored, so
+// the value pass after the softmax finds them in cache. Measured over 30 layers' scattered bf16 pools
+// at 2.6k keys, 1 thread: 560 -> 430 us a layer; 2 threads 348 -> 268 (out-of-cache, weights streamed
+// between layers); the hot case unchanged within noise.
+constexpr int64_t kPrefetchKeys = 64;
+
+template <typename T>
+inline void prefetch_slot(const T* p, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
 struct Item {
   int64_t sequence, first_key, num_keys;
 };
@@ -222,7 +237,12 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
   const int64_t n = item.num_keys, h = hkv * groups;
   scores.resize(static_cast<size_t>(h * n));
   int64_t t = 0;
+  const int64_t slot = hkv * d;
   for (; t + kKeys <= n; t += kKeys) {
+    for (int64_t i = t; i < t + kKeys; ++i) {
+      if (i + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(i + kPrefetchKeys)], slot);
+      prefetch_slot(v_pool + offsets[static_cast<size_t>(i)], slot);
+    }
     score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data());
   }
   for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data());
