@@ -52,7 +52,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
 
 def sigint_as_a_terminal_leaves_it() -> None:
-    # A shell without job control starts a background job (`.ci/run &`, nohup-style runners) with SIGINT
+    # A shell without job control starts a background job (`bash .ci/run &` inside a script) with SIGINT
     # ignored, every descendant inherits that, and Python then installs no KeyboardInterrupt handler: the
     # demo rightly ignores the signal there. Ctrl-C in a terminal finds SIGINT at its default; so does this.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
