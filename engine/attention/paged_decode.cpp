@@ -133,10 +133,10 @@ inline float softmax_numerators(float* s, int64_t n, float& total) {
   for (; i + kLanes <= n; i += kLanes) peaks = max(peaks, load(s + i));
   float peak = reduce_max(peaks);
   for (; i < n; ++i) peak = std::max(peak, s[i]);
-  const Vec shift = broadcast(peak);
+  const Vec minus_peak = broadcast(-peak);
   Vec sums = zero();
   for (i = 0; i + kLanes <= n; i += kLanes) {
-    const Vec e = exp_nonpositive(add(load(s + i), mul(shift, broadcast(-1.0f))));
+    const Vec e = exp_nonpositive(add(load(s + i), minus_peak));
     store(s + i, e);
     sums = add(sums, e);
   }
