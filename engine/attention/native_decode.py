@@ -61,6 +61,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
+def quantize_kv(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., D) -> int8 codes (..., D) and fp32 scales (...): each row symmetric over its own absmax."""
+    wide = rows.float()
+    scales = wide.abs().amax(dim=-1) / 127
+    codes = torch.round(wide / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp_(-127, 127)
+    return codes.to(torch.int8), scales
+
+
+def paged_decode_int8(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
+                      v_scales: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, *,
+                      module: ModuleType, chunk: int = CHUNK) -> torch.Tensor:
+    """paged_decode over int8 pools: codes (num_blocks, block_size, Hkv, D), scales (num_blocks, block_size, Hkv)."""
+    out = torch.empty_like(q)
+    module.paged_decode_int8(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, q.shape[-1] ** -0.5,
+                             chunk, out)
+    return out
+
+
 def build_decode_group(spans: Seq[SequenceSpan], *, device: torch.device) -> DecodeGroup | None:
     """Every one-token decode of the step, or None when there is none."""
     chosen = [i for i, s in enumerate(spans) if s.num_new == 1]
@@ -97,7 +115,8 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _agrees(module: ModuleType) -> bool:
-    """Against float64 on random pools: scattered tables, a partial last block, chunks merged, GQA."""
+    """Against float64 on random pools (fp32, bf16, int8 codes against their dequantized values): scattered
+    tables, a partial last block, chunks merged, GQA."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(40, 16, 2, 64, generator=gen)
     v_cache = torch.randn(40, 16, 2, 64, generator=gen)
@@ -109,4 +128,7 @@ def _agrees(module: ModuleType) -> bool:
         reference = reference_decode(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables, lengths)
         if not torch.allclose(value.double(), reference, rtol=tolerance, atol=tolerance):
             return False
-    return True
+    (k_codes, k_scales), (v_codes, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
+    value = paged_decode_int8(q, k_codes, k_scales, v_codes, v_scales, tables, lengths, module=module, chunk=128)
+    reference = reference_decode(q, k_codes * k_scales.unsqueeze(-1), v_codes * v_scales.unsqueeze(-1), tables, lengths)
+    return torch.allclose(value.double(), reference, rtol=1e-4, atol=1e-4)

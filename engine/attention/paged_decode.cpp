@@ -9,7 +9,8 @@
 // Per work item (a sequence and a chunk of at most `chunk` keys): the scores of every query head over
 // the chunk (fp32, pre-scaled query), the chunk's max and exp, then the value rows weighted; a
 // sequence split into several chunks is merged by its chunks' log-sum-exp (flash-decoding). The
-// softmax and every sum are fp32 whatever the cache holds (fp32 or bf16).
+// softmax and every sum are fp32 whatever the cache holds (fp32, bf16, or int8 codes with per-(slot, head)
+// scales: paged_decode_int8).
 // One source for AVX2 and AVX-512: the vector type follows the ISA flags of engine/cpp_extensions.py.
 #include <torch/extension.h>
 
@@ -210,6 +211,18 @@ inline void load_row(const c10::BFloat16* p, Vec* row) {
   }
 }
 
+// An int8 row (its codes; the slot's scale is applied to the score or the weight, not per element).
+template <int64_t kChunks>
+inline void load_row(const int8_t* p, Vec* row) {
+  for (int64_t c = 0; c < kChunks; ++c) {
+#ifdef __AVX512F__
+    row[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * kLanes))));
+#else
+    row[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c * kLanes))));
+#endif
+  }
+}
+
 // Where element e of a row sits in stored order (the identity for fp32).
 template <typename T>
 int64_t stored_index(int64_t e) {
@@ -241,7 +254,7 @@ inline void store_sums(const Vec* dot, float* out) {
 // Scores of keys [t, t + kKeys) for every head; their K rows stay in registers across the G heads.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void score_keys(const float* queries, const T* k_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t n, int64_t hkv, int64_t groups, float* scores) {
+                       int64_t n, int64_t hkv, int64_t groups, float* scores, const float* k_scales) {
   constexpr int64_t d = kChunks * kLanes;
   for (int64_t j = 0; j < hkv; ++j) {
     Vec k[kKeys][kChunks];
@@ -255,6 +268,8 @@ inline void score_keys(const float* queries, const T* k_pool, const std::vector<
         for (int64_t i = 0; i < kKeys; ++i) dot[i] = fmadd(qc, k[i][c], dot[i]);
       }
       store_sums<kKeys>(dot, scores + (j * groups + g) * n + t);
+      if constexpr (std::is_same<T, int8_t>::value)  // a slot's scales: (slot, Hkv), at its offset / D
+        for (int64_t i = 0; i < kKeys; ++i) scores[(j * groups + g) * n + t + i] *= k_scales[offsets[static_cast<size_t>(t + i)] / d + j];
     }
   }
 }
@@ -263,7 +278,7 @@ inline void score_keys(const float* queries, const T* k_pool, const std::vector<
 // output vector is loaded and stored once per kKeys keys, not once per key.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void add_values(const float* scores, const T* v_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t n, int64_t hkv, int64_t groups, float* acc) {
+                       int64_t n, int64_t hkv, int64_t groups, float* acc, const float* v_scales) {
   constexpr int64_t d = kChunks * kLanes;
   for (int64_t j = 0; j < hkv; ++j) {
     for (int64_t c = 0; c < kChunks; c += 2) {  // two vectors at a time: one bf16 load splits into two
@@ -279,7 +294,9 @@ inline void add_values(const float* scores, const T* v_pool, const std::vector<i
         float* out = acc + head * d + c * kLanes;
         Vec lo = load(out), hi = load(out + kLanes);
         for (int64_t i = 0; i < kKeys; ++i) {
-          const Vec weight = broadcast(scores[static_cast<size_t>(head * n + t + i)]);
+          float weight_of_key = scores[static_cast<size_t>(head * n + t + i)];
+          if constexpr (std::is_same<T, int8_t>::value) weight_of_key *= v_scales[offsets[static_cast<size_t>(t + i)] / d + j];
+          const Vec weight = broadcast(weight_of_key);
           lo = fmadd(weight, v[i][0], lo);
           hi = fmadd(weight, v[i][1], hi);
         }
@@ -295,6 +312,7 @@ inline void add_values(const float* scores, const T* v_pool, const std::vector<i
 template <int64_t kChunks, typename T>
 void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const T* k_pool, const T* v_pool,
                   const std::vector<int64_t>& offsets, const Item& item, int64_t hkv, int64_t groups,
+                  const float* k_scales, const float* v_scales /* int8 pools: (slot, Hkv) */,
                   float* max_out /* (H) */, float* sum_out /* (H) */, float* acc /* (H, D) */,
                   std::vector<float>& scores) {
   constexpr int64_t d = kChunks * kLanes;
@@ -309,9 +327,9 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
       if (i + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(i + kPrefetchKeys)], slot);
       prefetch_slot(v_pool + offsets[static_cast<size_t>(i)], slot);
     }
-    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data());
+    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data(), k_scales);
   }
-  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data());
+  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data(), k_scales);
   for (int64_t head = 0; head < h; ++head) {
     float total = 0.0f;
     max_out[head] = softmax_numerators(scores.data() + head * n, n, total);
@@ -320,14 +338,16 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
   std::fill(acc, acc + h * d, 0.0f);
   constexpr int64_t kValueKeys = 4;
   for (t = 0; t + kValueKeys <= n; t += kValueKeys) {
-    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, n, hkv, groups, acc);
+    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, n, hkv, groups, acc, v_scales);
   }
-  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, n, hkv, groups, acc);
+  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, n, hkv, groups, acc, v_scales);
 }
 
-template <typename T>
+// T: the pools' element type; TQ: the query's and output's (T itself, or bf16 over int8 pools).
+template <typename T, typename TQ = T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-            const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+            const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out,
+            const float* k_scales = nullptr, const float* v_scales = nullptr) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
   const int64_t max_blocks = tables.size(1);
@@ -354,7 +374,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   std::vector<float> accs(static_cast<size_t>(num_items * h * d));
   const T* k_pool = k_cache.data_ptr<T>();
   const T* v_pool = v_cache.data_ptr<T>();
-  const T* q_data = q.data_ptr<T>();
+  const TQ* q_data = q.data_ptr<TQ>();
   const int32_t* table_data = tables.data_ptr<int32_t>();
   const int64_t chunks = d / kLanes;
   std::vector<int64_t> order(static_cast<size_t>(d));  // element e's place in stored order
@@ -364,7 +384,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<int64_t> offsets;
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = items[static_cast<size_t>(i)];
-      const T* q_row = q_data + item.sequence * h * d;
+      const TQ* q_row = q_data + item.sequence * h * d;
       for (int64_t head = 0; head < h; ++head)
         for (int64_t e = 0; e < d; ++e)
           queries[static_cast<size_t>(head * d + order[static_cast<size_t>(e)])] =
@@ -372,14 +392,14 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       slot_offsets(table_data + item.sequence * max_blocks, block_size, hkv * d, item, offsets);
       float *m = maxes.data() + i * h, *l = sums.data() + i * h, *acc = accs.data() + i * h * d;
       switch (chunks) {
-        case 2: attend_chunk<2>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
-        case 4: attend_chunk<4>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
-        case 8: attend_chunk<8>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
-        default: attend_chunk<16>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        case 2: attend_chunk<2>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
+        case 4: attend_chunk<4>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
+        case 8: attend_chunk<8>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
+        default: attend_chunk<16>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
       }
     }
   });
-  T* out_data = out.data_ptr<T>();
+  TQ* out_data = out.data_ptr<TQ>();
   at::parallel_for(0, b, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(static_cast<size_t>(d));
     for (int64_t s = begin; s < end; ++s) {
@@ -395,22 +415,20 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const float* acc = accs.data() + (i * h + head) * d;
           for (int64_t e = 0; e < d; ++e) merged[static_cast<size_t>(e)] += weight * acc[e];
         }
-        T* dst = out_data + (s * h + head) * d;
-        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(merged[static_cast<size_t>(order[static_cast<size_t>(e)])] / total);
+        TQ* dst = out_data + (s * h + head) * d;
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<TQ>(merged[static_cast<size_t>(order[static_cast<size_t>(e)])] / total);
       }
     }
   });
 }
 
-// q (B, H, D); caches (num_blocks, block_size, Hkv, D), the same dtype (fp32 or bf16), contiguous;
-// tables (B, M) int32 block ids; context_lens (B,) int32, each >= 1 and covered by its table row.
-// Writes out (B, H, D) in q's dtype.
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                  const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+// The checks both entries share: shapes, contiguity, the tables' types and the head size.
+void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                     const at::Tensor& context_lens, int64_t chunk, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shapes: q (B, H, D), caches (NB, BS, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              out.scalar_type() == q.scalar_type(), "q, the caches and out share one dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "out in q's dtype, both caches in one dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "heads: H a multiple of Hkv, one D");
   TORCH_CHECK(tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt && tables.is_contiguous() &&
               tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "int32 tables (B, M) and lengths (B,)");
@@ -418,6 +436,15 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t chunks = q.size(2) / kLanes;
   TORCH_CHECK(q.size(2) % kLanes == 0 && (chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16),
               "head_dim must be 2, 4, 8 or 16 vectors of ", kLanes, " floats");
+}
+
+// q (B, H, D); caches (num_blocks, block_size, Hkv, D), the same dtype (fp32 or bf16), contiguous;
+// tables (B, M) int32 block ids; context_lens (B,) int32, each >= 1 and covered by its table row.
+// Writes out (B, H, D) in q's dtype.
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                  const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+  check_arguments(q, k_cache, v_cache, tables, context_lens, chunk, out);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches share one dtype");
   if (q.scalar_type() == at::kFloat) {
     decode<float>(q, k_cache, v_cache, tables, context_lens, scale, chunk, out);
   } else if (q.scalar_type() == at::kBFloat16) {
@@ -427,8 +454,30 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
+// The same over int8 pools: a key's K (V) row is k_codes[slot, head] * k_scales[slot, head]. Scales
+// (num_blocks, block_size, Hkv) fp32; q and out fp32 or bf16. Half the bytes of a bf16 pool: at 2.6k
+// keys a decode step's K/V read also evicts the rest of the step's data from cache (benchmarks/kv_traffic.py).
+void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scales,
+                       const at::Tensor& v_codes, const at::Tensor& v_scales, const at::Tensor& tables,
+                       const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+  check_arguments(q, k_codes, v_codes, tables, context_lens, chunk, out);
+  TORCH_CHECK(k_codes.scalar_type() == at::kChar, "int8 codes");
+  for (const at::Tensor* scales : {&k_scales, &v_scales})
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
+                scales->sizes() == k_codes.sizes().slice(0, 3), "fp32 scales (NB, BS, Hkv), contiguous");
+  const float *ks = k_scales.data_ptr<float>(), *vs = v_scales.data_ptr<float>();
+  if (q.scalar_type() == at::kFloat) {
+    decode<int8_t, float>(q, k_codes, v_codes, tables, context_lens, scale, chunk, out, ks, vs);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode<int8_t, c10::BFloat16>(q, k_codes, v_codes, tables, context_lens, scale, chunk, out, ks, vs);
+  } else {
+    TORCH_CHECK(false, "fp32 or bf16 queries only");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_int8", &paged_decode_int8, "the same over int8 pools with per-(slot, head) scales");
   m.def("paged_decode", &paged_decode, "one-token decode attention over the paged pool (see the file header)");
 }

@@ -132,3 +132,45 @@ def test_a_step_of_decodes_only_is_one_call(kernel: ModuleType) -> None:
     k_new, v_new = (c.view(-1, 3, 64)[torch.tensor(last)] for c in (k_cache, v_cache))  # already in the pool
     out = backend.attend(q, k_new, v_new, k_cache, v_cache, meta)
     assert torch.equal(out, native_decode.paged_decode(q, k_cache, v_cache, tables, lengths, module=kernel))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32_q", "bf16_q"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 32, 32), (8, 2, 128, 16)], ids=["smollm2", "mha_d32", "gqa_d128"])
+def test_int8_pools_equal_float64_attention_over_their_values(kernel: ModuleType, dtype: torch.dtype, heads: int,
+                                                              kv_heads: int, head_dim: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim + 11)
+    q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[1, 5, block_size, 300, 613], heads=heads,
+                                                       kv_heads=kv_heads, head_dim=head_dim,
+                                                       block_size=block_size, dtype=dtype)
+    (k_codes, k_scales), (v_codes, v_scales) = native_decode.quantize_kv(k_cache), native_decode.quantize_kv(v_cache)
+    out = native_decode.paged_decode_int8(q, k_codes, k_scales, v_codes, v_scales, tables, lengths, module=kernel,
+                                          chunk=7)
+    dequantized = [codes * scales.unsqueeze(-1) for codes, scales in ((k_codes, k_scales), (v_codes, v_scales))]
+    reference = native_decode.reference_decode(q, *dequantized, tables, lengths)
+    assert out.dtype == dtype and out.shape == q.shape
+    error = float((out.double() - reference).abs().max())
+    # fp32: the kernel's own arithmetic; bf16: the output's rounding (2^-9 of a value, here up to twice that).
+    bound = 1e-5 if dtype == torch.float32 else 2 ** -8 * float(reference.abs().max())
+    assert error <= bound, f"{error:.2e} > {bound:.2e}"
+
+
+def test_quantize_kv_rounds_each_row_by_its_own_range() -> None:
+    rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [1e-30, 0.0, -1e-30]])
+    codes, scales = native_decode.quantize_kv(rows)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (3,)
+    assert codes[0].tolist() == [0, 0, 0] and scales[0] == 0  # a row of zeros stays zeros
+    assert codes[1].tolist() == [64, -127, 32]  # the absmax maps to 127; 1 / (2 / 127) = 63.5 rounds to even
+    assert torch.allclose(codes.float() * scales.unsqueeze(-1), rows, rtol=1e-2, atol=0)
+
+
+def test_int8_scales_of_the_wrong_shape_are_refused(kernel: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(8)
+    q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[20, 33], heads=9, kv_heads=3, head_dim=64,
+                                                       block_size=16, dtype=torch.bfloat16)
+    (k_codes, k_scales), (v_codes, v_scales) = native_decode.quantize_kv(k_cache), native_decode.quantize_kv(v_cache)
+    with pytest.raises(RuntimeError, match="scales"):
+        native_decode.paged_decode_int8(q, k_codes, k_scales[:, :8].contiguous(), v_codes, v_scales, tables, lengths,
+                                        module=kernel)
+    with pytest.raises(RuntimeError, match="int8 codes"):
+        native_decode.paged_decode_int8(q, k_cache, k_scales, v_cache, v_scales, tables, lengths, module=kernel)
