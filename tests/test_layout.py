@@ -48,3 +48,20 @@ def test_the_image_copies_every_installed_folder() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     missing = [p.name for p in _installed_folders() if f"COPY {p.name} {p.name}" not in dockerfile]
     assert missing == []
+
+
+def test_every_kernel_source_ships_in_the_wheel() -> None:
+    """The C++ kernels are built at first use from their source, so a wheel without it (`pip install .` in the
+    Dockerfile) silently runs the torch paths: each .cpp/.h must match its package's package-data."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_data: dict[str, list[str]] = config["package-data"]
+    missing = []
+    for package, folder in config["package-dir"].items():
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in (".cpp", ".h"):
+                continue
+            inner = path.parent.relative_to(ROOT / folder).parts
+            owner = ".".join((package, *inner))
+            if not any(path.match(pattern) for pattern in package_data.get(owner, [])):
+                missing.append(f"{path.relative_to(ROOT)} (package {owner})")
+    assert missing == []
