@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -47,10 +47,11 @@ def openmp_flags() -> list[str]:
 
 
 def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bool],
-                    x86_intrinsics: bool = False) -> ModuleType | None:
+                    x86_intrinsics: bool = False, headers: Sequence[Path] = ()) -> ModuleType | None:
     """`source` built (or loaded from the cache) and checked; None where it is off, fails to build or
     fails `check`, each logged. `x86_intrinsics`: the source needs AVX2 and FMA, so it is built only
-    where ATen dispatches to AVX2 or AVX-512."""
+    where ATen dispatches to AVX2 or AVX-512. `headers`: what the source includes from beside it, part
+    of the cache key (a changed header must not load the old build)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
@@ -63,7 +64,8 @@ def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bo
         log.info("no native %s kernel: it needs AVX2 (ATen dispatches to %s here)", what, capability)
         return None
     threading = openmp_flags()
-    digest = hashlib.sha256(source.read_bytes() + " ".join([*flags, *threading]).encode() +
+    code = source.read_bytes() + b"".join(header.read_bytes() for header in headers)
+    digest = hashlib.sha256(code + " ".join([*flags, *threading]).encode() +
                             torch.__version__.encode()).hexdigest()
     name = f"decodeservice_{source.stem}_{capability.lower()}_{digest[:12]}"
     build = extension_dir() / name

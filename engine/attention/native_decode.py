@@ -19,6 +19,7 @@ from decodeservice.engine.attention.metadata import SequenceSpan
 from decodeservice.engine.cpp_extensions import build_extension
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+HEADERS = (Path(__file__).with_name("paged_decode_vectors.h"),)
 DTYPES = (torch.float32, torch.bfloat16)
 # Keys per work item. A long sequence is split so both cores share it (flash-decoding) and a chunk's
 # scores (H x chunk fp32) stay in L1/L2; measured per call in benchmarks/long_context.py.
@@ -33,7 +34,7 @@ def applies(dtype: torch.dtype, head_dim: int) -> bool:
 @functools.cache
 def decode_extension() -> ModuleType | None:
     """The built kernel, or None (disabled, no toolchain, or wrong results: logged)."""
-    return build_extension(SOURCE, what="paged decode attention", check=_agrees)
+    return build_extension(SOURCE, what="paged decode attention", check=_agrees, headers=HEADERS)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,133 +21,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "paged_decode_vectors.h"
+
 namespace {
-
-// One vector of fp32 lanes: AVX-512 where the build has it, else AVX2 (the ISA flags choose).
-#ifdef __AVX512F__
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec load(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
-inline Vec round_down(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-inline Vec pow2(Vec n) {  // 2^n for integral n in the normal range
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
-inline Vec zero_below(Vec x, Vec limit, Vec v) {  // v where x >= limit, else 0
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, limit, _CMP_GE_OQ), v);
-}
-#else
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline float sum(Vec v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-}
-inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline float reduce_max(Vec v) {
-  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pairs = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_movehdup_ps(pairs)));
-}
-inline Vec round_down(Vec v) { return _mm256_floor_ps(v); }
-inline Vec pow2(Vec n) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
-inline Vec zero_below(Vec x, Vec limit, Vec v) { return _mm256_and_ps(_mm256_cmp_ps(x, limit, _CMP_GE_OQ), v); }
-#endif
-
-// exp(x) for x <= 0 (scores minus their max), Cephes' expf: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2].
-// Relative error ~2e-7; written so the vectorizer takes it (std::exp would be a scalar libm call).
-// Below kNegligible it is 0: such a weight (< 1.6e-28 of the max's 1) cannot move an fp32 sum, and
-// kept, weights and their products could go denormal, which x86 handles in microcode; real attention is
-// peaked, most keys scoring far below the max. (No speed change measured on the engine's own caches.)
-constexpr float kNegligible = -64.0f;
-
-inline float exp_nonpositive(float x) {
-  const bool negligible = x < kNegligible;
-  x = std::max(x, kNegligible);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return negligible ? 0.0f : y * scale;
-}
-
-// The same for a vector of scores. Written out: the compiler left the scalar loop above scalar (the
-// softmax's exp and max were ~45% of the kernel's time at 2.6k keys, 1 thread, measured by removing them).
-inline Vec exp_nonpositive(Vec x) {
-  const Vec limit = broadcast(kNegligible);
-  const Vec clamped = max(x, limit);
-  const Vec n = round_down(fmadd(clamped, broadcast(1.44269504088896341f), broadcast(0.5f)));
-  const Vec r = fmadd(n, broadcast(2.12194440e-4f), fmadd(n, broadcast(-0.693359375f), clamped));
-  Vec p = broadcast(1.9875691500e-4f);
-  p = fmadd(p, r, broadcast(1.3981999507e-3f));
-  p = fmadd(p, r, broadcast(8.3334519073e-3f));
-  p = fmadd(p, r, broadcast(4.1665795894e-2f));
-  p = fmadd(p, r, broadcast(1.6666665459e-1f));
-  p = fmadd(p, r, broadcast(5.0000001201e-1f));
-  const Vec y = add(fmadd(mul(p, r), r, r), broadcast(1.0f));
-  return zero_below(x, limit, mul(y, pow2(n)));
-}
-
-// Each score replaced by exp(score - max); returns the max, adds the exps' sum to `total`.
-inline float softmax_numerators(float* s, int64_t n, float& total) {
-  Vec peaks = broadcast(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) peaks = max(peaks, load(s + i));
-  float peak = reduce_max(peaks);
-  for (; i < n; ++i) peak = std::max(peak, s[i]);
-  const Vec minus_peak = broadcast(-peak);
-  Vec sums = zero();
-  for (i = 0; i + kLanes <= n; i += kLanes) {
-    const Vec e = exp_nonpositive(add(load(s + i), minus_peak));
-    store(s + i, e);
-    sums = add(sums, e);
-  }
-  total = sum(sums);
-  for (; i < n; ++i) {
-    s[i] = exp_nonpositive(s[i] - peak);
-    total += s[i];
-  }
-  return peak;
-}
 
 // The cache lines of one slot (every K/V head's row of one key) requested ahead of their use. Blocks
 // are scattered over the pool, so the hardware prefetcher restarts at every block (16 keys) and the
@@ -187,74 +67,10 @@ void slot_offsets(const int32_t* table, int64_t block_size, int64_t slot_stride,
   }
 }
 
-// A K/V row of D elements as kChunks vectors of fp32. bf16 is the high half of an fp32, so a vector of
-// 2 * kLanes bf16 splits into its even elements (shifted up) and its odd ones (masked) with no shuffle:
-// the shuffle ports were the bottleneck of the widening loads. A row is then held in "stored order"
-// (evens, odds per pair of vectors); the query is laid out the same way and the output laid back.
-template <int64_t kChunks>
-inline void load_row(const float* p, Vec* row) {
-  for (int64_t c = 0; c < kChunks; ++c) row[c] = load(p + c * kLanes);
-}
-
-template <int64_t kChunks>
-inline void load_row(const c10::BFloat16* p, Vec* row) {
-  for (int64_t c = 0; c < kChunks; c += 2) {
-#ifdef __AVX512F__
-    const __m512i raw = _mm512_loadu_si512(p + c * kLanes);
-    row[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    row[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-#else
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * kLanes));
-    row[c] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-    row[c + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-#endif
-  }
-}
-
-// An int8 row (its codes; the slot's scale is applied to the score or the weight, not per element).
-template <int64_t kChunks>
-inline void load_row(const int8_t* p, Vec* row) {
-  for (int64_t c = 0; c < kChunks; ++c) {
-#ifdef __AVX512F__
-    row[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c * kLanes))));
-#else
-    row[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c * kLanes))));
-#endif
-  }
-}
-
-// Where element e of a row sits in stored order (the identity for fp32).
-template <typename T>
-int64_t stored_index(int64_t e) {
-  if (!std::is_same<T, c10::BFloat16>::value) return e;
-  const int64_t pair = e / (2 * kLanes), within = e % (2 * kLanes);
-  return (2 * pair + (within & 1)) * kLanes + within / 2;
-}
-
-// The horizontal sums of kKeys dot vectors into `out` (kKeys consecutive scores). Four at once share
-// their shuffles (13 operations instead of 4 x 8): the per-key sum was most of the score pass.
-template <int64_t kKeys>
-inline void store_sums(const Vec* dot, float* out) {
-#ifdef __AVX512F__
-  if constexpr (kKeys == 4) {
-    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(dot[0], dot[1]), _mm512_unpackhi_ps(dot[0], dot[1]));
-    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(dot[2], dot[3]), _mm512_unpackhi_ps(dot[2], dot[3]));
-    const __m512 c = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));  // lane: s0 s1 s2 s3
-    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(c),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < kKeys; ++i) out[i] = sum(dot[i]);
-}
-
 // Scores of keys [t, t + kKeys) for every head; their K rows stay in registers across the G heads.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void score_keys(const float* queries, const T* k_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t n, int64_t hkv, int64_t groups, float* scores, const float* k_scales) {
+                       int64_t stride, int64_t hkv, int64_t groups, float* scores, const float* k_scales) {
   constexpr int64_t d = kChunks * kLanes;
   for (int64_t j = 0; j < hkv; ++j) {
     Vec k[kKeys][kChunks];
@@ -267,9 +83,9 @@ inline void score_keys(const float* queries, const T* k_pool, const std::vector<
         const Vec qc = load(q + c * kLanes);
         for (int64_t i = 0; i < kKeys; ++i) dot[i] = fmadd(qc, k[i][c], dot[i]);
       }
-      store_sums<kKeys>(dot, scores + (j * groups + g) * n + t);
+      store_sums<kKeys>(dot, scores + (j * groups + g) * stride + t);
       if constexpr (std::is_same<T, int8_t>::value)  // a slot's scales: (slot, Hkv), at its offset / D
-        for (int64_t i = 0; i < kKeys; ++i) scores[(j * groups + g) * n + t + i] *= k_scales[offsets[static_cast<size_t>(t + i)] / d + j];
+        for (int64_t i = 0; i < kKeys; ++i) scores[(j * groups + g) * stride + t + i] *= k_scales[offsets[static_cast<size_t>(t + i)] / d + j];
     }
   }
 }
@@ -278,7 +94,7 @@ inline void score_keys(const float* queries, const T* k_pool, const std::vector<
 // output vector is loaded and stored once per kKeys keys, not once per key.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void add_values(const float* scores, const T* v_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t n, int64_t hkv, int64_t groups, float* acc, const float* v_scales) {
+                       int64_t stride, int64_t hkv, int64_t groups, float* acc, const float* v_scales) {
   constexpr int64_t d = kChunks * kLanes;
   for (int64_t j = 0; j < hkv; ++j) {
     for (int64_t c = 0; c < kChunks; c += 2) {  // two vectors at a time: one bf16 load splits into two
@@ -294,7 +110,7 @@ inline void add_values(const float* scores, const T* v_pool, const std::vector<i
         float* out = acc + head * d + c * kLanes;
         Vec lo = load(out), hi = load(out + kLanes);
         for (int64_t i = 0; i < kKeys; ++i) {
-          float weight_of_key = scores[static_cast<size_t>(head * n + t + i)];
+          float weight_of_key = scores[static_cast<size_t>(head * stride + t + i)];
           if constexpr (std::is_same<T, int8_t>::value) weight_of_key *= v_scales[offsets[static_cast<size_t>(t + i)] / d + j];
           const Vec weight = broadcast(weight_of_key);
           lo = fmadd(weight, v[i][0], lo);
@@ -319,7 +135,10 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
   // Four keys' K rows in registers where they fit (AVX-512, D <= 64: 16 of 32); AVX2 has 16 in all.
   constexpr int64_t kKeys = (kLanes == 16 && kChunks <= 4) ? 4 : 1;
   const int64_t n = item.num_keys, h = hkv * groups;
-  scores.resize(static_cast<size_t>(h * n));
+  const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;  // a head's row of scores, -inf past n
+  scores.resize(static_cast<size_t>(h * stride));
+  for (int64_t head = 0; head < h; ++head)
+    std::fill(scores.begin() + head * stride + n, scores.begin() + (head + 1) * stride, -std::numeric_limits<float>::infinity());
   int64_t t = 0;
   const int64_t slot = hkv * d;
   for (; t + kKeys <= n; t += kKeys) {
@@ -327,20 +146,20 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
       if (i + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(i + kPrefetchKeys)], slot);
       prefetch_slot(v_pool + offsets[static_cast<size_t>(i)], slot);
     }
-    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data(), k_scales);
+    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data(), k_scales);
   }
-  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, n, hkv, groups, scores.data(), k_scales);
+  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data(), k_scales);
   for (int64_t head = 0; head < h; ++head) {
     float total = 0.0f;
-    max_out[head] = softmax_numerators(scores.data() + head * n, n, total);
+    max_out[head] = softmax_numerators(scores.data() + head * stride, stride, total);
     sum_out[head] = total;
   }
   std::fill(acc, acc + h * d, 0.0f);
   constexpr int64_t kValueKeys = 4;
   for (t = 0; t + kValueKeys <= n; t += kValueKeys) {
-    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, n, hkv, groups, acc, v_scales);
+    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc, v_scales);
   }
-  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, n, hkv, groups, acc, v_scales);
+  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc, v_scales);
 }
 
 // T: the pools' element type; TQ: the query's and output's (T itself, or bf16 over int8 pools).
