@@ -80,10 +80,16 @@ def test_decodectl_up_serves_the_cpu_smoke_example(tmp_path: Path) -> None:
     reader.start()
     try:
         assert ready.wait(timeout=300), "".join(lines[-30:])
-        body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        # Greedy, and the count checked against the finish reason: at the default temperature the model
+        # once sampled its end-of-turn token third (CI: 3 tokens where 4 were asked), a valid answer.
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "temperature": 0}
         response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 4
+        answer = response.json()
+        used, finish = answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]
+        assert (finish, used) == ("length", 4) or (finish == "stop" and 1 <= used < 4), answer
+        assert answer["choices"][0]["message"]["content"], answer
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=90)
