@@ -1,7 +1,7 @@
 """Long context: the engine and llama.cpp side by side in one run, prefix hit vs miss. JSON out.
 
     .venv/bin/python -P benchmarks/long_context.py [--threads 1] [--contexts 512,1024,2048,4096]
-        [--decode-tokens 32] [--quantization auto] [--dtype auto]
+        [--decode-tokens 32] [--quantization auto] [--dtype auto] [--kv-cache-dtype auto]
         [--out benchmarks/results/long_context_int4_cpu1.json]
 
 For each context N: a document of N tokens, then a question of about 10 tokens.
@@ -178,6 +178,8 @@ def main() -> int:
     parser.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"],
                         help="the engine's weights (default: the engine's default, auto)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"],
+                        help="the engine's KV pool (default: the engine's default, auto)")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--flex", action="store_true",
                         help="also compile torch flex_attention for CPU (minutes of inductor compile)")
@@ -186,7 +188,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
 
-    precision = {k: v for k, v in (("quantization", args.quantization), ("dtype", args.dtype)) if v is not None}
+    precision = {k: v for k, v in (("quantization", args.quantization), ("dtype", args.dtype),
+                                   ("kv_cache_dtype", args.kv_cache_dtype)) if v is not None}
     engine = Engine.from_pretrained("smollm2-135m", max_model_len=max(contexts) + 2 * args.decode_tokens + 64,
                                     **precision)
     questions = [engine.tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]

@@ -1,6 +1,7 @@
 """Is the default engine's text after long prompts as good as fp32's? JSON out.
 
-    .venv/bin/python -P benchmarks/long_prompt_quality.py [--prompt-tokens 200,700,1800] [--out FILE]
+    .venv/bin/python -P benchmarks/long_prompt_quality.py [--prompt-tokens 200,700,1800] [--kv-cache-dtype auto]
+        [--out FILE]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python -P benchmarks/long_prompt_quality.py
 
 For each prompt length: the bundled model's default engine (quantization and dtype auto: int4 with the
@@ -32,13 +33,16 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", default="200,700,1800")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="the default engine's KV pool (int8: kv_int8.py's rows); fp32's stays fp32")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from decodeservice.engine import Engine, SamplingParams
 
-    default = Engine.from_pretrained("smollm2-135m", kv_cache_gib=0.3, max_model_len=2048, enable_prefix_caching=False)
+    default = Engine.from_pretrained("smollm2-135m", kv_cache_gib=0.3, max_model_len=2048, enable_prefix_caching=False,
+                                     kv_cache_dtype=args.kv_cache_dtype)
     fp32 = Engine.from_pretrained("smollm2-135m", quantization="none", dtype="float32", kv_cache_gib=0.3,
                                   max_model_len=2048, enable_prefix_caching=False)
     tok = default.tokenizer
@@ -61,7 +65,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("default", "fp32")}), file=sys.stderr)
     plan = default.model.kernel_plan
-    result = {"kernels": plan.describe() if plan else None, "torch": torch.__version__, "threads": args.threads,
+    result = {"kernels": plan.describe() if plan else None, "kv_cache_dtype": str(default.kv_dtype).removeprefix("torch."),
+              "torch": torch.__version__, "threads": args.threads,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     text = json.dumps(result, indent=1)
     if args.out:

@@ -295,6 +295,13 @@ class EngineConfig:
         False, help="int8/int4 weights on CPU: batches and prompt chunks of 6+ rows run int8 activations x int8 "
         "weights (about 1.9x the 32-stream throughput at int4); tokens then depend on the batch, and int4 "
         "weights get an int8 copy (+1 byte a weight)", flag="--w8a8", crd="w8a8", note="Builtin engine only.")
+    # The KV pool's rows. auto: the activations' dtype. int8 (CPU): each (slot, head) row is quantized on
+    # write to int8 codes with its own fp32 scale (engine/attention/kv_int8.py): ~half a bf16 pool's bytes,
+    # so twice the tokens in the same kv_cache_gib, and the long-context decode step reads half the K/V.
+    kv_cache_dtype: Literal["auto", "int8"] = knob(
+        "auto", help="KV cache rows: auto keeps the activations' dtype; int8 (CPU) stores each row as int8 codes "
+        "with its own scale, about half the bytes", flag="--kv-cache-dtype", crd="kvCacheDtype",
+        note="Builtin engine on CPU.")
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = knob(None, help="torch CPU threads; unset: torch's choice", flag="--num-threads",
                                    minimum=1)
@@ -332,6 +339,9 @@ class EngineConfig:
         if self.cuda_graphs and self.block_size < 16:
             # flex attention's Triton kernels tile keys by the page, at least 16 of them (attention/flex.py)
             raise ConfigError(f"cuda_graphs needs block_size >= 16 (flex attention pages), not {self.block_size}")
+        if self.kv_cache_dtype == "int8" and not self.device.startswith("cpu"):
+            raise ConfigError(f"kv_cache_dtype='int8' runs on CPU only (its attention paths are CPU ones), not on "
+                              f"{self.device}; use kv_cache_dtype 'auto'")
         if self.quantization in ("int8", "int4"):
             if not self.device.startswith("cpu"):
                 # torch's CUDA int4 kernel wants another packing; on a GPU the engine runs bf16 weights.

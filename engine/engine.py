@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -60,7 +61,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_config: ModelConfig = model.config
         self.device = torch.device(config.device)
-        self.dtype = model.activation_dtype  # the KV cache's too
+        self.dtype = model.activation_dtype
+        # The KV pool's: the activations', or int8 rows (attention/kv_int8.py). A draft's pool keeps `dtype`.
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         num_blocks = self._num_blocks()
@@ -76,7 +79,7 @@ class Engine:
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, dtype=self.dtype, compile_step=config.compile,
-                                  cuda_graphs=config.cuda_graphs)
+                                  cuda_graphs=config.cuda_graphs, kv_dtype=self.kv_dtype)
         self.attention_choice = self._choose_attention_path(model.config, config.block_size)
         self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -112,6 +115,11 @@ class Engine:
                                   num_layers=cfg.num_layers, dtype=self.dtype, block_size=block_size, native=native)
         backend.matmul_from = choice.min_context
         backend.decode_kernel = native if choice.native_decode else None
+        if self.kv_dtype == torch.int8 and native is not None:
+            # Measured against bf16 pools; over int8 pools the torch paths read a dequantized copy of every
+            # key, so the kernel, which reads the rows in place, is the only fast decode.
+            backend.decode_kernel = native
+            choice = dataclasses.replace(choice, native_decode=True, source=f"{choice.source}; int8 KV pools: always")
         log.info("attention: decodes over %s keys take the two GEMMs; one-token decodes take %s (%s; per call, us: %s)",
                  f"{choice.min_context}+" if choice.min_context else "no number of",
                  "the native kernel" if choice.native_decode else "the torch paths", choice.source, choice.timings_us)
@@ -148,9 +156,11 @@ class Engine:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype, self.model_config.num_layers)
+        layers = self.model_config.num_layers
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.kv_dtype, layers)
         if cfg.speculative is not None and cfg.speculative.method != "ngram":
-            per_block *= 2  # room for a draft model's cache of similar size (n-gram lookup has none)
+            # room for a draft model's cache of similar size, in the activations' dtype (n-gram lookup has none)
+            per_block += kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype, layers)
         if cfg.kv_cache_gib is not None:
             budget = cfg.kv_cache_gib * 2**30
         elif self.device.type == "cuda":

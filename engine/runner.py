@@ -17,9 +17,12 @@ from decodeservice.engine.attention import (
     SequenceSpan,
     StepAttention,
     backend_for,
+    kv_int8,
     slot_of,
     slot_runs,
 )
+from decodeservice.engine.attention.gather import GatherBackend
+from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from decodeservice.engine.compiled_step import MAX_ROWS, CompiledStep
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
@@ -58,16 +61,23 @@ class VerifyCost:
     row_cost: float  # (verify_ms - plain_ms) / (drafts x plain_ms)
 
 
+def kv_row_shape(cfg: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(Hkv, row width) of one slot in the pool: an int8 pool's rows carry their scale (kv_int8.py)."""
+    return cfg.num_kv_heads, kv_int8.row_width(cfg.head_dim) if kv_dtype == torch.int8 else cfg.head_dim
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+    """`dtype`: the pool's (int8 for kv_int8.py's rows)."""
+    heads, width = kv_row_shape(cfg, dtype)
+    return 2 * num_layers * block_size * heads * width * torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, num_layers: int | None = None,
                  attention_backend: AttentionBackend | None = None, compile_step: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, kv_dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the activations'; `kv_dtype`: the pool's, `dtype` when None, or int8 (kv_int8.py)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -75,9 +85,16 @@ class ModelRunner:
         self.dtype = dtype
         self.num_layers = num_layers or cfg.num_layers
         self.attention_backend = attention_backend or backend_for(device, num_blocks=num_blocks, block_size=block_size)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_dtype = kv_dtype or dtype
+        if self.kv_dtype == torch.int8:
+            if not isinstance(self.attention_backend, (PagedViewsBackend, GatherBackend)) or cuda_graphs:
+                raise ValueError(f"int8 KV pools need the CPU or gather attention backend, not "
+                                 f"{self.attention_backend.name}{' with CUDA graphs' if cuda_graphs else ''}")
+            if isinstance(self.attention_backend, PagedViewsBackend):
+                self.attention_backend.kv_int8 = True
+        shape = (num_blocks, block_size, *kv_row_shape(cfg, self.kv_dtype))
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
             for _ in range(self.num_layers)
         ]
         # Decode steps through torch.compile (see compiled_step.py); compiled here, not on the first request.

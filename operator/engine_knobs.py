@@ -19,6 +19,11 @@ class Quantization(enum.StrEnum):
     AUTO = "auto"
 
 
+class KVCacheDtype(enum.StrEnum):
+    AUTO = "auto"
+    INT8 = "int8"
+
+
 class SpecMethod(enum.StrEnum):
     NONE = "none"
     NGRAM = "ngram"
@@ -34,6 +39,7 @@ class EngineKnobs(CamelModel):
     max_num_seqs: int | None = Field(None, ge=1)
     quantization: Quantization = Quantization.AUTO
     w8a8: bool = Field(False, alias="w8a8")
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     compile: bool = False
 
 

@@ -23,7 +23,7 @@ from decodeservice.engine.config import EngineConfig, KnobField, SpeculativeConf
 from decodeservice.operator.cel_rules import CEL_RULES
 
 # The operator's names for the knobs' choices (enums in operator/engine_knobs.py).
-ENUM_NAMES = {"quantization": "Quantization", "method": "SpecMethod"}
+ENUM_NAMES = {"quantization": "Quantization", "kv_cache_dtype": "KVCacheDtype", "method": "SpecMethod"}
 _TYPES: dict[type, str] = {int: "integer", float: "number", bool: "boolean", str: "string"}
 
 

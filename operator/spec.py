@@ -27,7 +27,7 @@ from decodeservice.engine.loader.architectures import (
     unsupported_model_message,
 )
 from decodeservice.operator.cel_rules import CEL_RULES as CEL_RULES  # re-exported: tests
-from decodeservice.operator.engine_knobs import EngineKnobs, Quantization, SpeculativeKnobs
+from decodeservice.operator.engine_knobs import EngineKnobs, KVCacheDtype, Quantization, SpeculativeKnobs
 from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.podspec import DNS_SUBDOMAIN, EnvFromSource, EnvVar, PodSpec, TokenSecret
@@ -92,7 +92,7 @@ class ModelSpec(_Model):
     cache: ModelCacheSpec = Field(default_factory=lambda: ModelCacheSpec.model_validate({}))
 
 
-# The knob fields (max_num_seqs, kv_cache_gib, quantization, w8a8, compile; method, num_tokens) come from
+# The knob fields (max_num_seqs, kv_cache_gib, quantization, w8a8, kv_cache_dtype, compile; method, num_tokens) come from
 # operator/engine_knobs.py, generated from the engine's knob table (engine/config.py) with their defaults
 # and bounds; the fields below are the operator's own.
 class SpeculativeSpec(SpeculativeKnobs):
@@ -342,6 +342,9 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
                                    "model's quantization")
         if engine.compile:
             raise InvalidSpecError("spec.engine.compile: a builtin-engine mode; vLLM compiles its own graphs")
+        if engine.kv_cache_dtype is KVCacheDtype.INT8:
+            raise InvalidSpecError("spec.engine.kvCacheDtype: int8 is a builtin-engine mode (CPU); vLLM takes its "
+                                   "own --kv-cache-dtype (fp8) through extraArgs")
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 1:
         # One process on one device: a second GPU would sit idle while the pod holds it.
         raise InvalidSpecError(f"spec.resources.gpus: the builtin engine runs on one GPU (it has no tensor "
@@ -355,6 +358,9 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.w8a8:
         raise InvalidSpecError("spec.engine.w8a8: runs on the CPU's int8 kernels; with resources.gpus > 0 the "
                                "engine runs bf16 weights, so leave it false")
+    if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.kv_cache_dtype is KVCacheDtype.INT8:
+        raise InvalidSpecError("spec.engine.kvCacheDtype: int8 KV pools run on the CPU's attention paths; with "
+                               "resources.gpus > 0 leave it auto")
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.compile:
         raise InvalidSpecError("spec.engine.compile: compiles the CPU decode step; with resources.gpus > 0 "
                                "leave it false")

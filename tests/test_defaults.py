@@ -142,12 +142,12 @@ def test_builtin_args_parse_back_to_the_spec_values() -> None:
     """What the operator renders for the builtin engine is what `decodectl engine` reads, knob for knob."""
     raw = {"model": {"uri": "bundled://smollm2-135m"},
            "engine": {"maxNumSeqs": 7, "kvCacheGiB": 0.5, "quantization": "int4", "w8a8": True, "compile": True,
-                      "speculative": {"method": "ngram", "numTokens": 3}}}
+                      "kvCacheDtype": "int8", "speculative": {"method": "ngram", "numTokens": 3}}}
     v = validate_spec(raw)
     args = builtin_args(v, plan_models(v))
     kwargs = engine_kwargs(build_parser().parse_args(args))
     assert (kwargs["max_num_seqs"], kwargs["kv_cache_gib"], kwargs["quantization"]) == (7, 0.5, "int4")
-    assert kwargs["w8a8"] is True and kwargs["compile"] is True
+    assert kwargs["w8a8"] is True and kwargs["compile"] is True and kwargs["kv_cache_dtype"] == "int8"
     assert SpeculativeConfig(**kwargs["speculative"]) == SpeculativeConfig(method="ngram", num_tokens=3)
     # Unset knobs are not rendered: the pod gets the engine's defaults, the same as the CLI's.
     plain = validate_spec({"model": {"uri": "bundled://smollm2-135m"}})
@@ -155,7 +155,7 @@ def test_builtin_args_parse_back_to_the_spec_values() -> None:
     assert plain_kwargs["max_num_seqs"] == field_default(EngineConfig, "max_num_seqs") == 64
     assert "speculative" not in plain_kwargs
     assert {kf.knob.crd for kf in crd_knobs(EngineConfig)} == {
-        "kvCacheGiB", "gpuMemoryFraction", "maxNumSeqs", "quantization", "w8a8", "compile"}
+        "kvCacheGiB", "gpuMemoryFraction", "maxNumSeqs", "quantization", "w8a8", "compile", "kvCacheDtype"}
 
 
 def test_readme_states_the_config_defaults() -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decodeservice.engine.attention import kv_int8
 from decodeservice.engine.attention.backend import AttentionBackend, backend_for
 from decodeservice.engine.attention.metadata import (
     AttentionMetadata,
@@ -32,8 +33,16 @@ class StepAttention:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            step: StepAttention) -> torch.Tensor:
-    """q (N, H, D), k/v (N, Hkv, D); caches (num_blocks, block_size, Hkv, D) -> (N, H, D)."""
+    """q (N, H, D), k/v (N, Hkv, D); caches (num_blocks, block_size, Hkv, D), or int8 pools of
+    (num_blocks, block_size, Hkv, D + 4) rows (kv_int8.py) -> (N, H, D)."""
     slots = step.meta.slot_mapping
+    if k_cache.dtype == torch.int8:
+        k_rows, v_rows = kv_int8.pack_rows(k), kv_int8.pack_rows(v)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
+        # Attention reads the values the pool holds, the fresh ones included (see kv_int8.py).
+        k, v = kv_int8.unpack_rows(k_rows, q.dtype), kv_int8.unpack_rows(v_rows, q.dtype)
+        return step.backend.attend(q, k, v, k_cache, v_cache, step.meta)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
     return step.backend.attend(q, k, v, k_cache, v_cache, step.meta)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from decodeservice.engine.attention import kv_int8
 from decodeservice.engine.attention.metadata import AttentionMetadata
 
 
@@ -36,8 +37,10 @@ class GatherBackend:
         out = torch.empty_like(q)  # (N, H, D)
         for span in meta.spans:
             s, t, length = span.token_start, span.num_new, span.context_len
-            keys = gather_blocks(k_cache, span.block_table)[:length]  # (L, Hkv, D)
+            keys = gather_blocks(k_cache, span.block_table)[:length]  # (L, Hkv, D), or int8 rows of D + 4
             values = gather_blocks(v_cache, span.block_table)[:length]
+            if keys.dtype == torch.int8:
+                keys, values = kv_int8.unpack_rows(keys, q.dtype), kv_int8.unpack_rows(values, q.dtype)
             mask = causal_lower_right(t, length) if t > 1 else None  # one query sees every key
             attended = F.scaled_dot_product_attention(
                 q[s : s + t].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),

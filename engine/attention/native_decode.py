@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from decodeservice.engine.attention import kv_int8
 from decodeservice.engine.attention.metadata import SequenceSpan
 from decodeservice.engine.cpp_extensions import build_extension
 
@@ -50,8 +51,10 @@ class DecodeGroup:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, module: ModuleType) -> torch.Tensor:
         """q (N, H, D) -> (B, H, D) for the group's decodes."""
         b = self.token_index.shape[0]
-        queries = q[:b] if self.covers_all_in_order else q.index_select(0, self.token_index)
-        return paged_decode(queries.contiguous(), k_cache, v_cache, self.block_tables, self.context_lens, module=module)
+        queries = (q[:b] if self.covers_all_in_order else q.index_select(0, self.token_index)).contiguous()
+        if k_cache.dtype == torch.int8:
+            return paged_decode_int8(queries, k_cache, v_cache, self.block_tables, self.context_lens, module=module)
+        return paged_decode(queries, k_cache, v_cache, self.block_tables, self.context_lens, module=module)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -62,21 +65,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def quantize_kv(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., D) -> int8 codes (..., D) and fp32 scales (...): each row symmetric over its own absmax."""
-    wide = rows.float()
-    scales = wide.abs().amax(dim=-1) / 127
-    codes = torch.round(wide / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp_(-127, 127)
-    return codes.to(torch.int8), scales
-
-
-def paged_decode_int8(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor,
-                      v_scales: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, *,
-                      module: ModuleType, chunk: int = CHUNK) -> torch.Tensor:
-    """paged_decode over int8 pools: codes (num_blocks, block_size, Hkv, D), scales (num_blocks, block_size, Hkv)."""
+def paged_decode_int8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, *, module: ModuleType, chunk: int = CHUNK) -> torch.Tensor:
+    """paged_decode over int8 pools (num_blocks, block_size, Hkv, D + 4) of kv_int8.py's rows."""
     out = torch.empty_like(q)
-    module.paged_decode_int8(q, k_codes, k_scales, v_codes, v_scales, block_tables, context_lens, q.shape[-1] ** -0.5,
-                             chunk, out)
+    module.paged_decode_int8(q, k_pool, v_pool, block_tables, context_lens, q.shape[-1] ** -0.5, chunk, out)
     return out
 
 
@@ -116,7 +109,7 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _agrees(module: ModuleType) -> bool:
-    """Against float64 on random pools (fp32, bf16, int8 codes against their dequantized values): scattered
+    """Against float64 on random pools (fp32, bf16, int8 rows against their dequantized values): scattered
     tables, a partial last block, chunks merged, GQA."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(40, 16, 2, 64, generator=gen)
@@ -129,7 +122,8 @@ def _agrees(module: ModuleType) -> bool:
         reference = reference_decode(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables, lengths)
         if not torch.allclose(value.double(), reference, rtol=tolerance, atol=tolerance):
             return False
-    (k_codes, k_scales), (v_codes, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
-    value = paged_decode_int8(q, k_codes, k_scales, v_codes, v_scales, tables, lengths, module=module, chunk=128)
-    reference = reference_decode(q, k_codes * k_scales.unsqueeze(-1), v_codes * v_scales.unsqueeze(-1), tables, lengths)
+    k_pool, v_pool = kv_int8.pack_rows(k_cache), kv_int8.pack_rows(v_cache)
+    value = paged_decode_int8(q, k_pool, v_pool, tables, lengths, module=module, chunk=128)
+    reference = reference_decode(q, kv_int8.unpack_rows(k_pool, torch.float32), kv_int8.unpack_rows(v_pool, torch.float32),
+                                 tables, lengths)
     return torch.allclose(value.double(), reference, rtol=1e-4, atol=1e-4)

@@ -9,8 +9,8 @@
 // Per work item (a sequence and a chunk of at most `chunk` keys): the scores of every query head over
 // the chunk (fp32, pre-scaled query), the chunk's max and exp, then the value rows weighted; a
 // sequence split into several chunks is merged by its chunks' log-sum-exp (flash-decoding). The
-// softmax and every sum are fp32 whatever the cache holds (fp32, bf16, or int8 codes with per-(slot, head)
-// scales: paged_decode_int8).
+// softmax and every sum are fp32 whatever the cache holds (fp32, bf16, or int8 rows that carry their own
+// fp32 scale: paged_decode_int8).
 // One source for AVX2 and AVX-512: the vector type follows the ISA flags of engine/cpp_extensions.py.
 #include <torch/extension.h>
 
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -42,6 +43,16 @@ template <typename T>
 inline void prefetch_slot(const T* p, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
+// An int8 pool's row is D codes then the row's fp32 scale (engine/attention/kv_int8.py): 4 more bytes.
+template <typename T>
+constexpr int64_t kRowExtra = std::is_same<T, int8_t>::value ? 4 : 0;
+
+inline float row_scale(const int8_t* codes, int64_t d) {
+  float scale;
+  std::memcpy(&scale, codes + d, sizeof scale);  // 4-byte aligned in practice; memcpy says so to no one
+  return scale;
 }
 
 // A sequence shorter than this many keys a thread is not split for balance: a piece's merge would cost more.
@@ -70,11 +81,11 @@ void slot_offsets(const int32_t* table, int64_t block_size, int64_t slot_stride,
 // Scores of keys [t, t + kKeys) for every head; their K rows stay in registers across the G heads.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void score_keys(const float* queries, const T* k_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t stride, int64_t hkv, int64_t groups, float* scores, const float* k_scales) {
-  constexpr int64_t d = kChunks * kLanes;
+                       int64_t stride, int64_t hkv, int64_t groups, float* scores) {
+  constexpr int64_t d = kChunks * kLanes, row = d + kRowExtra<T>;
   for (int64_t j = 0; j < hkv; ++j) {
     Vec k[kKeys][kChunks];
-    for (int64_t i = 0; i < kKeys; ++i) load_row<kChunks>(k_pool + offsets[static_cast<size_t>(t + i)] + j * d, k[i]);
+    for (int64_t i = 0; i < kKeys; ++i) load_row<kChunks>(k_pool + offsets[static_cast<size_t>(t + i)] + j * row, k[i]);
     for (int64_t g = 0; g < groups; ++g) {
       const float* q = queries + (j * groups + g) * d;
       Vec dot[kKeys];
@@ -84,8 +95,9 @@ inline void score_keys(const float* queries, const T* k_pool, const std::vector<
         for (int64_t i = 0; i < kKeys; ++i) dot[i] = fmadd(qc, k[i][c], dot[i]);
       }
       store_sums<kKeys>(dot, scores + (j * groups + g) * stride + t);
-      if constexpr (std::is_same<T, int8_t>::value)  // a slot's scales: (slot, Hkv), at its offset / D
-        for (int64_t i = 0; i < kKeys; ++i) scores[(j * groups + g) * stride + t + i] *= k_scales[offsets[static_cast<size_t>(t + i)] / d + j];
+      if constexpr (std::is_same<T, int8_t>::value)  // the row's scale, applied to its score
+        for (int64_t i = 0; i < kKeys; ++i)
+          scores[(j * groups + g) * stride + t + i] *= row_scale(k_pool + offsets[static_cast<size_t>(t + i)] + j * row, d);
     }
   }
 }
@@ -94,14 +106,14 @@ inline void score_keys(const float* queries, const T* k_pool, const std::vector<
 // output vector is loaded and stored once per kKeys keys, not once per key.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void add_values(const float* scores, const T* v_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t stride, int64_t hkv, int64_t groups, float* acc, const float* v_scales) {
-  constexpr int64_t d = kChunks * kLanes;
+                       int64_t stride, int64_t hkv, int64_t groups, float* acc) {
+  constexpr int64_t d = kChunks * kLanes, row_size = d + kRowExtra<T>;
   for (int64_t j = 0; j < hkv; ++j) {
     for (int64_t c = 0; c < kChunks; c += 2) {  // two vectors at a time: one bf16 load splits into two
       Vec v[kKeys][2];
       for (int64_t i = 0; i < kKeys; ++i) {
         Vec row[kChunks];
-        load_row<2>(v_pool + offsets[static_cast<size_t>(t + i)] + j * d + c * kLanes, row);
+        load_row<2>(v_pool + offsets[static_cast<size_t>(t + i)] + j * row_size + c * kLanes, row);
         v[i][0] = row[0];
         v[i][1] = row[1];
       }
@@ -111,7 +123,8 @@ inline void add_values(const float* scores, const T* v_pool, const std::vector<i
         Vec lo = load(out), hi = load(out + kLanes);
         for (int64_t i = 0; i < kKeys; ++i) {
           float weight_of_key = scores[static_cast<size_t>(head * stride + t + i)];
-          if constexpr (std::is_same<T, int8_t>::value) weight_of_key *= v_scales[offsets[static_cast<size_t>(t + i)] / d + j];
+          if constexpr (std::is_same<T, int8_t>::value)
+            weight_of_key *= row_scale(v_pool + offsets[static_cast<size_t>(t + i)] + j * row_size, d);
           const Vec weight = broadcast(weight_of_key);
           lo = fmadd(weight, v[i][0], lo);
           hi = fmadd(weight, v[i][1], hi);
@@ -128,7 +141,6 @@ inline void add_values(const float* scores, const T* v_pool, const std::vector<i
 template <int64_t kChunks, typename T>
 void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const T* k_pool, const T* v_pool,
                   const std::vector<int64_t>& offsets, const Item& item, int64_t hkv, int64_t groups,
-                  const float* k_scales, const float* v_scales /* int8 pools: (slot, Hkv) */,
                   float* max_out /* (H) */, float* sum_out /* (H) */, float* acc /* (H, D) */,
                   std::vector<float>& scores) {
   constexpr int64_t d = kChunks * kLanes;
@@ -140,15 +152,15 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
   for (int64_t head = 0; head < h; ++head)
     std::fill(scores.begin() + head * stride + n, scores.begin() + (head + 1) * stride, -std::numeric_limits<float>::infinity());
   int64_t t = 0;
-  const int64_t slot = hkv * d;
+  const int64_t slot = hkv * (d + kRowExtra<T>);
   for (; t + kKeys <= n; t += kKeys) {
     for (int64_t i = t; i < t + kKeys; ++i) {
       if (i + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(i + kPrefetchKeys)], slot);
       prefetch_slot(v_pool + offsets[static_cast<size_t>(i)], slot);
     }
-    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data(), k_scales);
+    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data());
   }
-  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data(), k_scales);
+  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data());
   for (int64_t head = 0; head < h; ++head) {
     float total = 0.0f;
     max_out[head] = softmax_numerators(scores.data() + head * stride, stride, total);
@@ -157,16 +169,15 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
   std::fill(acc, acc + h * d, 0.0f);
   constexpr int64_t kValueKeys = 4;
   for (t = 0; t + kValueKeys <= n; t += kValueKeys) {
-    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc, v_scales);
+    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc);
   }
-  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc, v_scales);
+  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc);
 }
 
 // T: the pools' element type; TQ: the query's and output's (T itself, or bf16 over int8 pools).
 template <typename T, typename TQ = T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-            const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out,
-            const float* k_scales = nullptr, const float* v_scales = nullptr) {
+            const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
   const int64_t max_blocks = tables.size(1);
@@ -208,13 +219,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t e = 0; e < d; ++e)
           queries[static_cast<size_t>(head * d + order[static_cast<size_t>(e)])] =
               static_cast<float>(q_row[head * d + e]) * static_cast<float>(scale);
-      slot_offsets(table_data + item.sequence * max_blocks, block_size, hkv * d, item, offsets);
+      slot_offsets(table_data + item.sequence * max_blocks, block_size, hkv * (d + kRowExtra<T>), item, offsets);
       float *m = maxes.data() + i * h, *l = sums.data() + i * h, *acc = accs.data() + i * h * d;
       switch (chunks) {
-        case 2: attend_chunk<2>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
-        case 4: attend_chunk<4>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
-        case 8: attend_chunk<8>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
-        default: attend_chunk<16>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, k_scales, v_scales, m, l, acc, scores); break;
+        case 2: attend_chunk<2>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        case 4: attend_chunk<4>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        case 8: attend_chunk<8>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        default: attend_chunk<16>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
       }
     }
   });
@@ -243,12 +254,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 // The checks both entries share: shapes, contiguity, the tables' types and the head size.
 void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                     const at::Tensor& context_lens, int64_t chunk, const at::Tensor& out) {
+                     const at::Tensor& context_lens, int64_t chunk, const at::Tensor& out, int64_t row_extra) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shapes: q (B, H, D), caches (NB, BS, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "out in q's dtype, both caches in one dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "heads: H a multiple of Hkv, one D");
+  TORCH_CHECK(q.size(2) + row_extra == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "heads: H a multiple of Hkv, one D (an int8 pool's rows: D + 4)");
   TORCH_CHECK(tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt && tables.is_contiguous() &&
               tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "int32 tables (B, M) and lengths (B,)");
   TORCH_CHECK(chunk > 0 && out.sizes() == q.sizes(), "chunk > 0 and out shaped as q");
@@ -262,7 +274,7 @@ void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // Writes out (B, H, D) in q's dtype.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                   const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
-  check_arguments(q, k_cache, v_cache, tables, context_lens, chunk, out);
+  check_arguments(q, k_cache, v_cache, tables, context_lens, chunk, out, 0);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches share one dtype");
   if (q.scalar_type() == at::kFloat) {
     decode<float>(q, k_cache, v_cache, tables, context_lens, scale, chunk, out);
@@ -273,22 +285,17 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
-// The same over int8 pools: a key's K (V) row is k_codes[slot, head] * k_scales[slot, head]. Scales
-// (num_blocks, block_size, Hkv) fp32; q and out fp32 or bf16. Half the bytes of a bf16 pool: at 2.6k
-// keys a decode step's K/V read also evicts the rest of the step's data from cache (benchmarks/kv_traffic.py).
-void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scales,
-                       const at::Tensor& v_codes, const at::Tensor& v_scales, const at::Tensor& tables,
+// The same over int8 pools (NB, BS, Hkv, D + 4): a key's K (V) row is its D codes times the fp32 scale in
+// its last 4 bytes. q and out fp32 or bf16. Half the bytes of a bf16 pool: at 2.6k keys a decode step's K/V
+// read also evicts the rest of the step's data from cache (benchmarks/kv_traffic.py).
+void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
                        const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
-  check_arguments(q, k_codes, v_codes, tables, context_lens, chunk, out);
-  TORCH_CHECK(k_codes.scalar_type() == at::kChar, "int8 codes");
-  for (const at::Tensor* scales : {&k_scales, &v_scales})
-    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
-                scales->sizes() == k_codes.sizes().slice(0, 3), "fp32 scales (NB, BS, Hkv), contiguous");
-  const float *ks = k_scales.data_ptr<float>(), *vs = v_scales.data_ptr<float>();
+  check_arguments(q, k_pool, v_pool, tables, context_lens, chunk, out, kRowExtra<int8_t>);
+  TORCH_CHECK(k_pool.scalar_type() == at::kChar, "int8 pools");
   if (q.scalar_type() == at::kFloat) {
-    decode<int8_t, float>(q, k_codes, v_codes, tables, context_lens, scale, chunk, out, ks, vs);
+    decode<int8_t, float>(q, k_pool, v_pool, tables, context_lens, scale, chunk, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<int8_t, c10::BFloat16>(q, k_codes, v_codes, tables, context_lens, scale, chunk, out, ks, vs);
+    decode<int8_t, c10::BFloat16>(q, k_pool, v_pool, tables, context_lens, scale, chunk, out);
   } else {
     TORCH_CHECK(false, "fp32 or bf16 queries only");
   }
@@ -297,6 +304,6 @@ void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_codes, const at:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_int8", &paged_decode_int8, "the same over int8 pools with per-(slot, head) scales");
+  m.def("paged_decode_int8", &paged_decode_int8, "the same over int8 pools whose rows carry their scale");
   m.def("paged_decode", &paged_decode, "one-token decode attention over the paged pool (see the file header)");
 }

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from decodeservice.engine.attention import decode_matmul, native_decode
+from decodeservice.engine.attention import decode_matmul, kv_int8, native_decode
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
 from decodeservice.engine.attention.native_decode import DecodeGroup, build_decode_group
 from decodeservice.engine.attention.short_group import MAX_CONTEXT, ShortGroup, build_short_group
@@ -65,6 +65,13 @@ def _gathered(k_flat: torch.Tensor, v_flat: torch.Tensor, runs: list[SlotRun]
     """The keys and values of `runs` copied into one run (for a table scattered over many)."""
     slots = torch.cat([torch.arange(r.first_slot, r.first_slot + r.length, device=k_flat.device) for r in runs])
     return k_flat.index_select(0, slots), v_flat.index_select(0, slots), SlotRun(first_slot=0, length=slots.shape[0])
+
+
+def _dequantized(k_flat: torch.Tensor, v_flat: torch.Tensor, runs: tuple[SlotRun, ...], dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, SlotRun]:
+    """The keys and values of `runs` from int8 pools (kv_int8.py), in `dtype`, as one run."""
+    keys, values, whole = _gathered(k_flat, v_flat, list(runs))
+    return kv_int8.unpack_rows(keys, dtype), kv_int8.unpack_rows(values, dtype), whole
 
 
 def _single_run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: SlotRun) -> torch.Tensor:
@@ -153,8 +160,11 @@ class PagedViewsBackend:
     def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT,
                  decode_kernel: ModuleType | None = None) -> None:
         self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
-        # native_decode.decode_extension() where it takes one-token decodes (fp32/bf16 caches)
+        # native_decode.decode_extension() where it takes one-token decodes (fp32/bf16 caches, int8 pools)
         self.decode_kernel = decode_kernel
+        # The pools hold int8 rows (kv_int8.py; set by the runner that allocates them): decodes take the
+        # native kernel, every other span a dequantized copy of its keys (see _attend_int8).
+        self.kv_int8 = False
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
         # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
@@ -163,10 +173,12 @@ class PagedViewsBackend:
         max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         device = meta.slot_mapping.device
         decodes = build_decode_group(meta.spans, device=device) if self._native(dtype) else None
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        if self.kv_int8:
+            return PagedViewsMetadata(**fields, decode_group=decodes)
         taken = decodes.span_indices if decodes is not None else frozenset()
         group = build_short_group(meta.spans, block_size=meta.block_size, device=device, dtype=dtype,
                                   max_context=max_context, exclude=taken)
-        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         return PagedViewsMetadata(**fields, decode_group=decodes, short_group=group,
                                   single_run=None if decodes is not None else self._single_run(meta, dtype))
 
@@ -186,6 +198,8 @@ class PagedViewsBackend:
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Unplanned metadata (tests, benchmarks) reads every sequence on its own.
         planned = meta if isinstance(meta, PagedViewsMetadata) else None
+        if k_cache.dtype == torch.int8:
+            return self._attend_int8(q, k, v, k_cache, v_cache, meta, planned)
         single_run = planned.single_run if planned is not None else None
         if single_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             return _single_run_decode(q, k_cache, v_cache, single_run)
@@ -218,4 +232,28 @@ class PagedViewsBackend:
             s, e = span.token_start, span.token_start + span.num_new
             out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span, block_size=meta.block_size,
                                      matmul_from=self.matmul_from)
+        return out
+
+    def _attend_int8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, planned: PagedViewsMetadata | None) -> torch.Tensor:
+        """Over int8 pools: the step's decodes in the native kernel, which reads the rows as they are; every
+        other span (prompt chunks, verifies, decodes where the kernel is missing) over a dequantized copy of
+        its keys. The copy costs about what a bf16 pool's read does, and those spans are few and short-lived."""
+        out = torch.empty_like(q)  # (N, H, D)
+        decodes = planned.decode_group if planned is not None and self.decode_kernel is not None else None
+        if decodes is not None:
+            assert self.decode_kernel is not None
+            decoded = decodes.attend(q, k_cache, v_cache, module=self.decode_kernel)  # (B, H, D)
+            if len(decodes.span_indices) == len(meta.spans) and decodes.covers_all_in_order:
+                return decoded
+            out[decodes.token_index] = decoded
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # (num_slots, Hkv, D + 4)
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        for i, span in enumerate(meta.spans):
+            if decodes is not None and i in decodes.span_indices:
+                continue
+            keys, values, whole = _dequantized(k_flat, v_flat, span.runs, q.dtype)
+            s, e = span.token_start, span.token_start + span.num_new
+            out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], keys, values, dataclasses.replace(span, runs=(whole,)),
+                                   block_size=1, matmul_from=self.matmul_from)
         return out

@@ -280,6 +280,7 @@ async def models(request: Request) -> Response:
     if state.aengine is not None:
         card["max_model_len"] = state.aengine.engine.max_model_len
         engine = state.aengine.engine
+        card["kv_cache_dtype"] = str(engine.kv_dtype).removeprefix("torch.")
         if (plan := engine.model.kernel_plan) is not None:
             card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
         if (attention := engine.attention_choice) is not None:  # CPU: where decode_matmul.py takes over, the native kernel

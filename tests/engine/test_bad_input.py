@@ -113,6 +113,8 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
     {"kv_cache_gib": -1.0},
     {"quantization": "int3"},
     {"quantization": "int4", "device": "cuda"},
+    {"kv_cache_dtype": "int8", "device": "cuda"},
+    {"kv_cache_dtype": "fp8"},
     {"speculative": {"method": "telepathy"}},
     {"speculative": {"method": "draft"}},
 ])

@@ -82,12 +82,15 @@ METHODS = [
 ]
 
 
+# int8: the target's pool holds int8 rows (attention/kv_int8.py), which a verify reads as a dequantized
+# copy and a decode in place; a draft's pool keeps the activations' dtype.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("spec", METHODS)
-def test_greedy_output_is_identical_with_speculation(spec: dict[str, Any], target: LlamaModel,
+def test_greedy_output_is_identical_with_speculation(spec: dict[str, Any], kv_cache_dtype: str, target: LlamaModel,
                                                      tokenizer: Tokenizer) -> None:
-    baseline = make_engine(target, tokenizer).generate(PROMPTS, GREEDY)
+    baseline = make_engine(target, tokenizer, kv_cache_dtype=kv_cache_dtype).generate(PROMPTS, GREEDY)
     draft = tiny_model(1, std=0.1, base=target_model()) if spec["method"] == "draft" else None
-    engine = make_engine(target, tokenizer, spec, draft=draft)
+    engine = make_engine(target, tokenizer, spec, draft=draft, kv_cache_dtype=kv_cache_dtype)
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in baseline]
     stats = engine.stats().spec_decode

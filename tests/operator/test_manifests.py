@@ -165,6 +165,11 @@ def test_engine_switches_reach_the_engine_only_when_asked(field: str) -> None:
     assert f"--{field}" in container(render(minimal(engine=asked)), "engine")["args"]
 
 
+def test_the_kv_cache_dtype_reaches_the_builtin_engine_as_its_flag() -> None:
+    engine = container(render(minimal(engine={"kvCacheDtype": "int8"})), "engine")
+    assert flag(engine["args"], "--kv-cache-dtype") == "int8"
+
+
 def test_the_inductor_cache_lives_on_the_pods_cache_volume() -> None:
     engine = container(render(minimal(engine={"compile": True, "quantization": "int4"})), "engine")
     cache = {e["name"]: e["value"] for e in engine["env"]}["TORCHINDUCTOR_CACHE_DIR"]
@@ -196,6 +201,10 @@ def test_build_is_pure_and_options_apply() -> None:
     (minimal(engine={"compile": True, "quantization": "none"}), "spec.engine.compile: needs quantization"),
     (minimal(engine={"kind": "vllm", "compile": True}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "spec.engine.compile: a builtin-engine mode"),
+    (minimal(engine={"kvCacheDtype": "int8"}, resources={"gpus": 1}), "spec.engine.kvCacheDtype: int8 KV pools run"),
+    (minimal(engine={"kind": "vllm", "kvCacheDtype": "int8"}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
+     "spec.engine.kvCacheDtype: int8 is a builtin-engine mode"),
+    (minimal(engine={"kvCacheDtype": "fp8"}), "kvCacheDtype"),
     (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
     (minimal(model={"uri": "pvc://a/m"}, engine={"speculative": {"method": "draft", "draftModel": "pvc://b/d"}}),
      "must live on the model's claim"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodeservice.engine.attention import StepAttention, attend, native_decode
+from decodeservice.engine.attention import StepAttention, attend, kv_int8, native_decode
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from tests.engine.attention.test_backends import SEQUENCES, build_step
 
@@ -143,10 +143,9 @@ def test_int8_pools_equal_float64_attention_over_their_values(kernel: ModuleType
     q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[1, 5, block_size, 300, 613], heads=heads,
                                                        kv_heads=kv_heads, head_dim=head_dim,
                                                        block_size=block_size, dtype=dtype)
-    (k_codes, k_scales), (v_codes, v_scales) = native_decode.quantize_kv(k_cache), native_decode.quantize_kv(v_cache)
-    out = native_decode.paged_decode_int8(q, k_codes, k_scales, v_codes, v_scales, tables, lengths, module=kernel,
-                                          chunk=7)
-    dequantized = [codes * scales.unsqueeze(-1) for codes, scales in ((k_codes, k_scales), (v_codes, v_scales))]
+    k_pool, v_pool = kv_int8.pack_rows(k_cache), kv_int8.pack_rows(v_cache)
+    out = native_decode.paged_decode_int8(q, k_pool, v_pool, tables, lengths, module=kernel, chunk=7)
+    dequantized = [kv_int8.unpack_rows(pool, torch.float64) for pool in (k_pool, v_pool)]
     reference = native_decode.reference_decode(q, *dequantized, tables, lengths)
     assert out.dtype == dtype and out.shape == q.shape
     error = float((out.double() - reference).abs().max())
@@ -155,22 +154,26 @@ def test_int8_pools_equal_float64_attention_over_their_values(kernel: ModuleType
     assert error <= bound, f"{error:.2e} > {bound:.2e}"
 
 
-def test_quantize_kv_rounds_each_row_by_its_own_range() -> None:
-    rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [1e-30, 0.0, -1e-30]])
-    codes, scales = native_decode.quantize_kv(rows)
+def test_int8_rows_round_each_row_by_its_own_range_and_carry_its_scale() -> None:
+    rows = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 0.0], [1e-30, 0.0, -1e-30, 0.0]])
+    codes, scales = kv_int8.quantize_rows(rows)
     assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (3,)
-    assert codes[0].tolist() == [0, 0, 0] and scales[0] == 0  # a row of zeros stays zeros
-    assert codes[1].tolist() == [64, -127, 32]  # the absmax maps to 127; 1 / (2 / 127) = 63.5 rounds to even
-    assert torch.allclose(codes.float() * scales.unsqueeze(-1), rows, rtol=1e-2, atol=0)
+    assert codes[0].tolist() == [0, 0, 0, 0] and scales[0] == 0  # a row of zeros stays zeros
+    assert codes[1].tolist() == [64, -127, 32, 0]  # the absmax maps to 127; 1 / (2 / 127) = 63.5 rounds to even
+    packed = kv_int8.pack_rows(rows)
+    assert packed.dtype == torch.int8 and packed.shape == (3, kv_int8.row_width(4))
+    assert torch.equal(packed[:, :4], codes) and torch.equal(packed[:, 4:].contiguous().view(torch.float32)[:, 0], scales)
+    assert torch.allclose(kv_int8.unpack_rows(packed, torch.float32), rows, rtol=1e-2, atol=0)
 
 
-def test_int8_scales_of_the_wrong_shape_are_refused(kernel: ModuleType) -> None:
+def test_int8_pools_of_the_wrong_shape_or_type_are_refused(kernel: ModuleType) -> None:
     gen = torch.Generator().manual_seed(8)
     q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[20, 33], heads=9, kv_heads=3, head_dim=64,
                                                        block_size=16, dtype=torch.bfloat16)
-    (k_codes, k_scales), (v_codes, v_scales) = native_decode.quantize_kv(k_cache), native_decode.quantize_kv(v_cache)
-    with pytest.raises(RuntimeError, match="scales"):
-        native_decode.paged_decode_int8(q, k_codes, k_scales[:, :8].contiguous(), v_codes, v_scales, tables, lengths,
+    k_pool, v_pool = kv_int8.pack_rows(k_cache), kv_int8.pack_rows(v_cache)
+    with pytest.raises(RuntimeError, match="D \\+ 4"):  # codes without their scales
+        native_decode.paged_decode_int8(q, k_pool[..., :64].contiguous(), v_pool[..., :64].contiguous(), tables,
+                                        lengths, module=kernel)
+    with pytest.raises(RuntimeError, match="int8 pools"):
+        native_decode.paged_decode_int8(q, k_pool.to(torch.bfloat16), v_pool.to(torch.bfloat16), tables, lengths,
                                         module=kernel)
-    with pytest.raises(RuntimeError, match="int8 codes"):
-        native_decode.paged_decode_int8(q, k_cache, k_scales, v_cache, v_scales, tables, lengths, module=kernel)
