@@ -266,7 +266,8 @@ class EngineConfig:
                                        flag="--prefix-caching")
     # Activations and KV cache. auto: bfloat16 with quantized weights or on CUDA, else float32.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = knob(
-        "auto", help="activations and KV cache (auto: bfloat16 with int8/int4 weights or on CUDA, else float32)",
+        "auto", help="activations (auto: bfloat16 with int8/int4 weights or on CUDA, else float32; the KV cache's too "
+        "unless kv_cache_dtype says otherwise)",
         flag="--dtype")
     device: str = knob("cpu", help="torch device, e.g. cpu or cuda", flag="--device")
     # Weights: none | int8 (per channel) | int4 (groups of 32) | auto, the source's own precision where
@@ -295,12 +296,14 @@ class EngineConfig:
         False, help="int8/int4 weights on CPU: batches and prompt chunks of 6+ rows run int8 activations x int8 "
         "weights (about 1.9x the 32-stream throughput at int4); tokens then depend on the batch, and int4 "
         "weights get an int8 copy (+1 byte a weight)", flag="--w8a8", crd="w8a8", note="Builtin engine only.")
-    # The KV pool's rows. auto: the activations' dtype. int8 (CPU): each (slot, head) row is quantized on
-    # write to int8 codes with its own fp32 scale (engine/attention/kv_int8.py): ~half a bf16 pool's bytes,
-    # so twice the tokens in the same kv_cache_gib, and the long-context decode step reads half the K/V.
+    # The KV pool's rows. int8 (CPU): each (slot, head) row is quantized on write to int8 codes with its own
+    # fp32 scale (engine/attention/kv_int8.py): ~half a bf16 pool's bytes, so twice the tokens in the same
+    # kv_cache_gib, and the long-context decode step reads half the K/V. auto: the activations' dtype, but
+    # int8 where the machine chose fp32 activations for want of native bf16 (Engine._choose_kv_dtype).
     kv_cache_dtype: Literal["auto", "int8"] = knob(
-        "auto", help="KV cache rows: auto keeps the activations' dtype; int8 (CPU) stores each row as int8 codes "
-        "with its own scale, about half the bytes", flag="--kv-cache-dtype", crd="kvCacheDtype",
+        "auto", help="KV cache rows: auto keeps the activations' dtype (int8 on a CPU without native bf16 "
+        "running quantized weights, where they would be fp32); int8 (CPU) stores each row as int8 codes with "
+        "its own scale, about half a bf16 row's bytes", flag="--kv-cache-dtype", crd="kvCacheDtype",
         note="Builtin engine on CPU.")
     speculative: SpeculativeConfig | None = None
     num_threads: int | None = knob(None, help="torch CPU threads; unset: torch's choice", flag="--num-threads",

@@ -29,7 +29,13 @@ from decodeservice.engine.outputs import (
     RequestOutput,
     SpecDecodeStats,
 )
-from decodeservice.engine.quant import ActivationChoice, Int4Weight, plan_kernels, resolve_precision
+from decodeservice.engine.quant import (
+    ActivationChoice,
+    Int4Weight,
+    detect_cpu,
+    plan_kernels,
+    resolve_precision,
+)
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
 from decodeservice.engine.sampler import make_generator, sample_token, token_logprob
 from decodeservice.engine.sampling_params import SamplingParams
@@ -63,7 +69,8 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = model.activation_dtype
         # The KV pool's: the activations', or int8 rows (attention/kv_int8.py). A draft's pool keeps `dtype`.
-        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        self.kv_dtype, self.kv_dtype_reason = self._choose_kv_dtype(model)
+        log.info("KV cache: %s (%s)", str(self.kv_dtype).removeprefix("torch."), self.kv_dtype_reason)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         num_blocks = self._num_blocks()
@@ -103,6 +110,22 @@ class Engine:
         self.generation_tokens_total = 0
 
     # -- construction ------------------------------------------------------------------------------
+    def _choose_kv_dtype(self, model: LlamaModel) -> tuple[torch.dtype, str]:
+        """int8 when asked; under auto, int8 where the machine chose fp32 activations for want of native
+        bf16 (dtype auto, quantized weights, the native kernel built); else the activations' dtype."""
+        config = self.config
+        if config.kv_cache_dtype == "int8":
+            return torch.int8, "kv_cache_dtype int8 was asked for"
+        head_dim = model.config.head_dim
+        if (self.device.type == "cpu" and config.dtype == "auto" and model.weight_format != "none"
+                and self.dtype == torch.float32 and not detect_cpu().native_bf16
+                and native_decode.applies(self.dtype, head_dim) and native_decode.decode_extension() is not None):
+            # fp32 rows hold 3.8x the bytes of int8 ones, and the long-context decode step pays for every
+            # one: under the AVX2 caps, int8 decoded 1.29x faster at 2.6k keys, equal at short context,
+            # 0.2 nat of fp32's text at 1.8k (docs/performance.md#int8-kv-cache).
+            return torch.int8, "auto: fp32 activations for want of native bf16, so int8 rows, not fp32 ones"
+        return self.dtype, "auto: the activations' dtype"
+
     def _choose_attention_path(self, cfg: ModelConfig, block_size: int) -> AttentionChoice | None:
         """On CPU: this machine's context length from which a decode leaves the flash kernel for
         decode_matmul.py (bf16/fp16 KV caches), and whether the native paged-decode kernel takes the

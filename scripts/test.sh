@@ -11,8 +11,10 @@ if [ $# -eq 0 ]; then
     # ATen's AVX2 dispatch (which packs the int4 kernel's weights differently), oneDNN without
     # native bf16 (so the engine picks fp32 activations) and MKL's AVX2 GEMMs. See engine/quant/cpu.py.
     # The native kernels build for AVX2 there too: the paged-decode attention (fp32 caches) and the
-    # compiled step over them (where a native call dynamo cannot trace once crashed the trace).
+    # compiled step over them (where a native call dynamo cannot trace once crashed the trace). There the
+    # default engine's KV pool is int8 rows (Engine._choose_kv_dtype).
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python -P -m pytest -q \
         tests/engine/quant tests/engine/test_quantized.py tests/engine/attention/test_native_decode.py \
-        tests/engine/attention/test_context_plan.py tests/engine/test_compiled_step.py
+        tests/engine/attention/test_context_plan.py tests/engine/test_compiled_step.py \
+        tests/engine/attention/test_kv_int8.py tests/engine/test_kv_int8_engine.py
 fi

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decodeservice.engine.attention import kv_int8
+from decodeservice.engine.attention import kv_int8, native_decode
 from decodeservice.engine.attention.backend import AttentionBackend, backend_for
 from decodeservice.engine.attention.metadata import (
     AttentionMetadata,
@@ -37,11 +37,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     (num_blocks, block_size, Hkv, D + 4) rows (kv_int8.py) -> (N, H, D)."""
     slots = step.meta.slot_mapping
     if k_cache.dtype == torch.int8:
-        k_rows, v_rows = kv_int8.pack_rows(k), kv_int8.pack_rows(v)
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
+        module = native_decode.decode_extension() if k_cache.is_cpu else None
         # Attention reads the values the pool holds, the fresh ones included (see kv_int8.py).
-        k, v = kv_int8.unpack_rows(k_rows, q.dtype), kv_int8.unpack_rows(v_rows, q.dtype)
+        k = kv_int8.write_rows(k, k_cache, slots, module)
+        v = kv_int8.write_rows(v, v_cache, slots, module)
         return step.backend.attend(q, k, v, k_cache, v_cache, step.meta)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)

@@ -14,6 +14,8 @@ computed, and a verify agrees with the decode it replaces.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 # Bytes of a row after its D codes: the fp32 scale.
@@ -44,3 +46,18 @@ def unpack_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     d = packed.shape[-1] - SCALE_BYTES
     scales = packed[..., d:].contiguous().view(torch.float32)  # (..., 1)
     return (packed[..., :d].float() * scales).to(dtype)
+
+
+def write_rows(rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, module: ModuleType | None) -> torch.Tensor:
+    """Pack rows (N, Hkv, D) into the pool (NB, BS, Hkv, D + 4) at slots (N,); -> their dequantized values.
+
+    `module`: the native extension (native_decode.py) does it in one call, bit for bit as the torch ops
+    below (checked when it is built); None, or rows it does not take, run those ops.
+    """
+    if module is not None and rows.dtype in (torch.float32, torch.bfloat16) and pool.is_cpu:
+        out = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        module.write_int8_rows(rows.contiguous(), pool, slots, out)
+        return out
+    packed = pack_rows(rows)
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, packed)
+    return unpack_rows(packed, rows.dtype)

@@ -123,7 +123,21 @@ def _agrees(module: ModuleType) -> bool:
         if not torch.allclose(value.double(), reference, rtol=tolerance, atol=tolerance):
             return False
     k_pool, v_pool = kv_int8.pack_rows(k_cache), kv_int8.pack_rows(v_cache)
+    if not _writes_as_torch(module, k_cache[:8].to(torch.bfloat16)) or not _writes_as_torch(module, v_cache[:8] * 1e-3):
+        return False
     value = paged_decode_int8(q, k_pool, v_pool, tables, lengths, module=module, chunk=128)
     reference = reference_decode(q, kv_int8.unpack_rows(k_pool, torch.float32), kv_int8.unpack_rows(v_pool, torch.float32),
                                  tables, lengths)
     return torch.allclose(value.double(), reference, rtol=1e-4, atol=1e-4)
+
+
+def _writes_as_torch(module: ModuleType, pool_like: torch.Tensor) -> bool:
+    """write_int8_rows against kv_int8's torch ops, bit for bit: codes, scales and dequantized rows."""
+    rows = pool_like.flatten(0, 1)  # (N, Hkv, D)
+    rows[3].zero_()  # a zero row: scale 0, codes 0
+    slots = torch.randperm(rows.shape[0] * 2, generator=torch.Generator().manual_seed(1))[: rows.shape[0]]
+    shape = (rows.shape[0] * 2 // 16, 16, rows.shape[1], kv_int8.row_width(rows.shape[2]))
+    native_pool, torch_pool = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    native_rows = kv_int8.write_rows(rows, native_pool, slots, module)
+    torch_rows = kv_int8.write_rows(rows, torch_pool, slots, None)
+    return torch.equal(native_pool, torch_pool) and torch.equal(native_rows, torch_rows)

@@ -127,7 +127,7 @@ def choose_activations(cpu: CpuCapability, *, hidden: int, intermediate: int,
     if not cpu.native_bf16:
         return ActivationChoice(dtype=torch.float32, reason=(
             f"no native bf16 here (ATen {cpu.aten}, oneDNN cap {cpu.onednn_max_isa or 'none'}): fp32 activations "
-            "and KV cache, bf16 only at the calls of torch's weight-only kernels"))
+            "(the KV cache: int8 rows under kv_cache_dtype auto), bf16 only at the calls of torch's weight-only kernels"))
     k, n = max(hidden, 1024), max(intermediate, 1024)
     cache = plan_cache_path(cache_dir, cpu, torch.bfloat16, [f"activations {k}x{n}"], prefix="activations")
     raw = read_cached(cache, lambda raw: (getattr(torch, raw["dtype"]), str(raw["reason"])))

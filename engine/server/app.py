@@ -281,6 +281,7 @@ async def models(request: Request) -> Response:
         card["max_model_len"] = state.aengine.engine.max_model_len
         engine = state.aengine.engine
         card["kv_cache_dtype"] = str(engine.kv_dtype).removeprefix("torch.")
+        card["kv_cache_dtype_reason"] = engine.kv_dtype_reason
         if (plan := engine.model.kernel_plan) is not None:
             card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
         if (attention := engine.attention_choice) is not None:  # CPU: where decode_matmul.py takes over, the native kernel

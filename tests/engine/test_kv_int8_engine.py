@@ -3,12 +3,15 @@ hits that equal misses, and what it costs in quality. Speculation over them: tes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from decodeservice.engine import SamplingParams
+from decodeservice.engine import Engine, SamplingParams
 from decodeservice.engine.attention import native_decode
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
+from decodeservice.engine.quant import detect_cpu
 from decodeservice.engine.runner import kv_bytes_per_block
 from tests.conftest import ModelBundle
 
@@ -53,14 +56,18 @@ def test_a_prefix_hit_over_int8_rows_equals_the_miss(tiny: ModelBundle) -> None:
 
 def test_int8_rows_decode_the_bundled_model_close_to_its_own_pool(bundled: ModelBundle) -> None:
     # What int8 rows cost on the real model: per-token logprobs of the same greedy continuation, the int8
-    # engine's against the default pool's (bf16 or fp32, this CPU's choice). Measured (AMD EPYC, AVX-512):
+    # engine's against the activations' own pool (fp32: the session's bundled model is unquantized). Measured (AMD EPYC, AVX-512):
     # at most 0.023 over these 8 positions.
     text = ("The survey team walked the northern ridge at dawn, logging every spring, path and ruined wall they "
             "passed. Their notes describe the weather, the soil, the birds they heard and the distance covered. ") * 6
     prompt = bundled.tokenizer.encode(text + "Question: what did the team log on the ridge?")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
-    base = bundled.engine(kv_cache_gib=0.05, max_model_len=1024).generate([prompt], params)[0]
     engine = bundled.engine(kv_cache_gib=0.05, max_model_len=1024, kv_cache_dtype="int8")
+    # The activations' dtype asked for by name keeps its own pool, even where auto would take int8 rows.
+    activations = str(engine.dtype).removeprefix("torch.")
+    reference = bundled.engine(kv_cache_gib=0.05, max_model_len=1024, dtype=activations)
+    assert reference.kv_dtype == reference.dtype == engine.dtype
+    base = reference.generate([prompt], params)[0]
     backend = engine.runner.attention_backend
     assert isinstance(backend, PagedViewsBackend)
     assert (backend.decode_kernel is not None) == (native_decode.decode_extension() is not None)
@@ -75,3 +82,24 @@ def test_int8_rows_decode_the_bundled_model_close_to_its_own_pool(bundled: Model
         assert base.logprobs is not None
         gaps.append(abs(top[token] - base.logprobs[i].logprob))
     assert max(gaps) < 0.1, gaps
+
+
+def test_auto_takes_int8_rows_where_the_activations_are_fp32_for_want_of_native_bf16(bundled_gguf_path: Path,
+                                                                                     bundled: ModelBundle) -> None:
+    # The default engine (int4 weights, precision by machine). Both branches run in CI: natively on an
+    # AVX-512 machine, and under scripts/test.sh's AVX2 caps.
+    engine = Engine.from_pretrained(str(bundled_gguf_path), max_model_len=512, kv_cache_gib=0.05)
+    assert engine.model.weight_format == "int4"
+    if detect_cpu().native_bf16:
+        assert engine.kv_dtype == engine.dtype == torch.bfloat16
+        assert engine.kv_dtype_reason == "auto: the activations' dtype"
+    elif native_decode.decode_extension() is None:  # no kernel reads int8 rows in place: they would be slower
+        assert engine.kv_dtype == engine.dtype == torch.float32
+    else:
+        assert engine.dtype == torch.float32 and engine.kv_dtype == torch.int8
+        assert "want of native bf16" in engine.kv_dtype_reason
+        assert engine.runner.kv_caches[0][0].dtype == torch.int8
+        out = engine.generate([engine.tokenizer.encode("The capital of France is")], GREEDY)[0]
+        assert "Paris" in engine.tokenizer.decode(out.token_ids)
+    # Unquantized weights (the fp32 bundled model here) keep their own pool on any CPU.
+    assert bundled.engine(kv_cache_gib=0.05, max_model_len=512).kv_dtype == torch.float32

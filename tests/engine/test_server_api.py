@@ -241,7 +241,8 @@ def test_chunked_body_over_limit_gets_413(srv: RunningServer) -> None:
 def test_models_tokenize_health_ready(srv: RunningServer, bundled: ModelBundle) -> None:
     with srv.client() as http:
         card = http.get("/v1/models").json()["data"][0]
-        assert card["id"] == MODEL and card["kv_cache_dtype"] in ("bfloat16", "float32")  # the default: auto
+        assert card["id"] == MODEL and card["kv_cache_dtype"] in ("bfloat16", "float32", "int8")
+        assert card["kv_cache_dtype_reason"].startswith("auto: ")  # the default
         assert http.get("/health").status_code == 200
         assert http.get("/ready").status_code == 200
         by_prompt = http.post("/tokenize", json={"prompt": PROMPT}).json()

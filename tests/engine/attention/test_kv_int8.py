@@ -85,3 +85,17 @@ def test_a_step_writes_int8_rows_that_hold_the_keys_within_their_rounding() -> N
     half_step = k.abs().amax(dim=-1, keepdim=True) / 127 / 2  # (N, Hkv, 1): half a code of each row
     assert bool(((written - k).abs() <= half_step * (1 + 1e-5)).all())
     assert not torch.equal(written, k)  # randn values are not on the grid: the rows were rounded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_write_packs_bit_for_bit_as_the_torch_ops(kernel: ModuleType, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(37, HKV, 64, generator=gen) * torch.logspace(-4, 2, 37).view(-1, 1, 1)).to(dtype)
+    rows[5].zero_()
+    rows[9, 0, 7] = 1e30  # one huge value: every other code of its row rounds to 0
+    slots = torch.randperm(4 * 16, generator=gen)[:37]
+    pools = [torch.zeros(4, 16, HKV, kv_int8.row_width(64), dtype=torch.int8) for _ in range(2)]
+    native = kv_int8.write_rows(rows, pools[0], slots, kernel)
+    reference = kv_int8.write_rows(rows, pools[1], slots, None)
+    assert torch.equal(pools[0], pools[1]) and torch.equal(native, reference)
+    assert native.dtype == dtype and torch.equal(native, kv_int8.unpack_rows(pools[0].flatten(0, 1)[slots], dtype))

@@ -1,0 +1,118 @@
+"""kv_cache_dtype auto against int8: two engines side by side in one run, taking turns. JSON out.
+
+    .venv/bin/python -P benchmarks/kv_cache_dtype.py [--threads 2] [--contexts 8,512,2600] [--rounds 3] [--out FILE]
+
+Both engines load the bundled model with the engine's defaults but the KV pool's dtype. Per round and
+context, each engine in turn serves a prompt it has not seen (a miss: every round's document differs)
+and decodes --decode-tokens greedily. Reported per context and engine: TTFT and decode tokens/s, best
+and median over the rounds (interference only slows a run down, so best is the cleaner figure), and
+int8's ratio to auto; per engine: the pool's bytes per token and how many tokens the same kv_cache_gib
+holds. One run on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decodeservice.engine import Engine, SamplingParams
+from decodeservice.engine.runner import kv_bytes_per_block
+
+DOCUMENT = ("Entry {i}. The survey team walked the northern ridge at dawn, logging every spring, path and "
+            "ruined wall they passed, and the weather at each camp. ")
+KINDS = ("auto", "int8")
+
+
+def prompt(engine: Engine, n: int, offset: int) -> list[int]:
+    """n tokens of running text; `offset` makes every round's prompt differ from its first token."""
+    text, i = "", offset
+    while len(ids := engine.tokenizer.encode(text, add_special_tokens=False)) < n:
+        text += DOCUMENT.format(i=i)
+        i += 1
+    return ids[:n]
+
+
+def clocks(engine: Engine, tokens: list[int], new_tokens: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(tokens, params)
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.new_token_ids:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (end - first)}
+
+
+def summary(runs: list[dict[str, float]]) -> dict[str, float]:
+    ttft, rate = [r["ttft_s"] for r in runs], [r["decode_tokens_per_s"] for r in runs]
+    return {"ttft_s_best": min(ttft), "ttft_s_median": statistics.median(ttft),
+            "decode_tokens_per_s_best": max(rate), "decode_tokens_per_s_median": statistics.median(rate)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", default="8,512,2600")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    max_len = max(contexts) + args.decode_tokens + 64
+    engines = {kind: Engine.from_pretrained("smollm2-135m", max_model_len=max_len, kv_cache_gib=args.kv_cache_gib,
+                                            kv_cache_dtype=kind) for kind in KINDS}
+    for engine in engines.values():
+        clocks(engine, prompt(engine, 16, offset=10**6), 4)  # warm-up
+    reference = engines["auto"]
+    result: dict[str, Any] = {
+        "threads": args.threads, "decode_tokens": args.decode_tokens, "rounds": args.rounds,
+        "weights": reference.model.weight_format, "activations": str(reference.dtype).removeprefix("torch."),
+        "cpu": torch.backends.cpu.get_cpu_capability(), "load_average_1min_at_start": os.getloadavg()[0],
+        "pool": {kind: {"dtype": str(e.kv_dtype).removeprefix("torch."),
+                        "bytes_per_token": kv_bytes_per_block(e.model_config, 1, e.kv_dtype, e.model_config.num_layers),
+                        "tokens_in_kv_cache_gib": e.kv.num_blocks * e.config.block_size}
+                 for kind, e in engines.items()},
+        "native_decode": {kind: e.attention_choice.native_decode for kind, e in engines.items()},
+        "contexts": {},
+    }
+    runs: dict[int, dict[str, list[dict[str, float]]]] = {n: {kind: [] for kind in KINDS} for n in contexts}
+    for r in range(args.rounds):
+        for n in contexts:
+            tokens = prompt(reference, n, offset=1000 * (r + 1) + n)
+            # The order alternates by round, so neither engine always runs second.
+            for kind in KINDS if r % 2 == 0 else reversed(KINDS):
+                runs[n][kind].append(clocks(engines[kind], tokens, args.decode_tokens))
+    for n in contexts:
+        entry = {kind: summary(runs[n][kind]) for kind in KINDS}
+        a, b = entry["auto"], entry["int8"]
+        entry["int8_vs_auto"] = {"decode_best": b["decode_tokens_per_s_best"] / a["decode_tokens_per_s_best"],
+                                 "decode_median": b["decode_tokens_per_s_median"] / a["decode_tokens_per_s_median"],
+                                 "ttft_best": b["ttft_s_best"] / a["ttft_s_best"]}
+        result["contexts"][str(n)] = entry
+    short, long = str(min(contexts)), str(max(contexts))
+    result["decode_long_vs_short_best"] = {
+        kind: result["contexts"][long][kind]["decode_tokens_per_s_best"]
+        / result["contexts"][short][kind]["decode_tokens_per_s_best"] for kind in KINDS}
+    result["load_average_1min_at_end"] = os.getloadavg()[0]
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
