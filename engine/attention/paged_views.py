@@ -238,7 +238,7 @@ class PagedViewsBackend:
                      v_cache: torch.Tensor, meta: AttentionMetadata, planned: PagedViewsMetadata | None) -> torch.Tensor:
         """Over int8 pools: the step's decodes in the native kernel, which reads the rows as they are; every
         other span (prompt chunks, verifies, decodes where the kernel is missing) over a dequantized copy of
-        its keys. The copy costs about what a bf16 pool's read does, and those spans are few and short-lived."""
+        its cached keys. The copy costs about what a bf16 pool's read does, and those spans are few and short-lived."""
         out = torch.empty_like(q)  # (N, H, D)
         decodes = planned.decode_group if planned is not None and self.decode_kernel is not None else None
         if decodes is not None:
@@ -252,8 +252,16 @@ class PagedViewsBackend:
         for i, span in enumerate(meta.spans):
             if decodes is not None and i in decodes.span_indices:
                 continue
-            keys, values, whole = _dequantized(k_flat, v_flat, span.runs, q.dtype)
             s, e = span.token_start, span.token_start + span.num_new
-            out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], keys, values, dataclasses.replace(span, runs=(whole,)),
+            # A prompt chunk reads its cached prefix from the pool and its own K/V as given (already the
+            # pool's values): only the prefix is dequantized. A decode or a decode_matmul.py span reads all.
+            reads_all = span.num_new == 1 or _takes_matmul(span, q.dtype, self.matmul_from)
+            runs = tuple(span.runs if reads_all else trim_runs(span.runs, span.num_cached))
+            if runs:
+                keys, values, whole = _dequantized(k_flat, v_flat, runs, q.dtype)
+                runs = (whole,)
+            else:  # no cached prefix: attend_span reads the fresh K/V alone
+                keys = values = k.new_empty((0, *k.shape[1:]))
+            out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], keys, values, dataclasses.replace(span, runs=runs),
                                    block_size=1, matmul_from=self.matmul_from)
         return out
