@@ -1,4 +1,6 @@
-"""The step's one-token decodes in one native call per layer, read in place from the pool (paged_decode.cpp).
+"""The step's decodes and verifies in one native call per layer, read in place from the pool (paged_decode.cpp).
+
+A verify's tokens are rows of their own: token i is a decode over the span's first L - Q + i + 1 keys.
 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py). A build that
 fails or a kernel that disagrees with a float64 reference is logged and left out: the torch paths of
@@ -25,6 +27,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 # Keys per work item. A long sequence is split so both cores share it (flash-decoding) and a chunk's
 # scores (H x chunk fp32) stay in L1/L2; measured per call in benchmarks/long_context.py.
 CHUNK = 256
+# Spans of up to this many new tokens take the kernel, a row per token (build_decode_group): a verify of
+# up to 8 drafts. Per layer, one span at 300-4k keys, 2 threads (/tmp scratch, 2026-12-04, AMD EPYC):
+# kernel / torch paths 0.07-0.37 for 2-9 tokens in bf16, 0.06-0.40 in fp32 under the AVX2 caps; at 16
+# tokens fp32 rose to 0.87 at 1k keys, so longer spans stay on the torch paths.
+MAX_NEW = 9
 
 
 def applies(dtype: torch.dtype, head_dim: int) -> bool:
@@ -40,7 +47,7 @@ def decode_extension() -> ModuleType | None:
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeGroup:
-    """The step's one-token decodes: which spans, their packed tokens and the kernel's tables."""
+    """The step's decodes and verifies: which spans, the packed token of each kernel row, its table and length."""
 
     span_indices: frozenset[int]
     token_index: torch.Tensor  # (B,) packed token of each decode
@@ -73,23 +80,32 @@ def paged_decode_int8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     return out
 
 
-def build_decode_group(spans: Seq[SequenceSpan], *, device: torch.device) -> DecodeGroup | None:
-    """Every one-token decode of the step, or None when there is none."""
-    chosen = [i for i, s in enumerate(spans) if s.num_new == 1]
+def build_decode_group(spans: Seq[SequenceSpan], *, device: torch.device, max_new: int = 1) -> DecodeGroup | None:
+    """Every span of the step with at most `max_new` new tokens, one kernel row per token, or None.
+
+    A span's token i sees its first context_len - num_new + i + 1 keys: the step's own K/V are in the pool
+    before attention reads it, so a verify's tokens are decodes over growing prefixes of one table, each
+    computed exactly as a plain decode at that position would be."""
+    chosen = [i for i, s in enumerate(spans) if 1 <= s.num_new <= max_new]
     if not chosen:
         return None
     members = [spans[i] for i in chosen]
     width = max(s.block_table.shape[0] for s in members)
-    tables = torch.zeros((len(members), width), dtype=torch.int32, device=device)
-    for row, span in enumerate(members):
-        tables[row, : span.block_table.shape[0]] = span.block_table
-    starts = [s.token_start for s in members]
+    rows = sum(s.num_new for s in members)
+    tables = torch.zeros((rows, width), dtype=torch.int32, device=device)
+    starts: list[int] = []
+    lengths: list[int] = []
+    for span in members:
+        first = len(starts)
+        tables[first : first + span.num_new, : span.block_table.shape[0]] = span.block_table
+        starts += range(span.token_start, span.token_start + span.num_new)
+        lengths += range(span.context_len - span.num_new + 1, span.context_len + 1)
     return DecodeGroup(
         span_indices=frozenset(chosen),
         token_index=torch.tensor(starts, dtype=torch.long, device=device),
         block_tables=tables,
-        context_lens=torch.tensor([s.context_len for s in members], dtype=torch.int32, device=device),
-        covers_all_in_order=starts == list(range(len(members))),
+        context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        covers_all_in_order=starts == list(range(rows)),
     )
 
 

@@ -10,8 +10,9 @@ for (a): the G query heads sharing a K/V head are folded into the query length, 
 sees every prefix key. Measured against today's gather + masked SDPA in benchmarks/long_context.py.
 In bf16/fp16 a decode or verify over at least decode_matmul.MIN_CONTEXT keys skips the flash kernel
 for two GEMMs over the same views (decode_matmul.py: the kernel is slow for so few query rows).
-Where the engine measured it faster (context_plan.py), every one-token decode of a step goes through
-the native paged-decode kernel instead, in one call per layer (native_decode.py).
+Where the engine measured it faster (context_plan.py), every decode and verify of a step (up to
+native_decode.MAX_NEW new tokens, a kernel row each) goes through the native paged-decode kernel
+instead, in one call per layer (native_decode.py).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch
 class PagedViewsMetadata(AttentionMetadata):
     """AttentionMetadata plus what the CPU backend's plan() built once for every layer of the step."""
 
-    # The step's one-token decodes, for the native kernel.
+    # The step's decodes and verifies, a row per token, for the native kernel.
     decode_group: DecodeGroup | None = None
     # Short sequences batched into one padded call.
     short_group: ShortGroup | None = None
@@ -165,6 +166,9 @@ class PagedViewsBackend:
         # The pools hold int8 rows (kv_int8.py; set by the runner that allocates them): decodes take the
         # native kernel, every other span a dequantized copy of its keys (see _attend_int8).
         self.kv_int8 = False
+        # Spans of up to this many new tokens (decodes and verifies) take the native kernel, a row per
+        # token; longer ones the torch paths. 1: decodes only (an A/B baseline).
+        self.kernel_max_new = native_decode.MAX_NEW
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
         # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
@@ -172,7 +176,8 @@ class PagedViewsBackend:
         gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
         max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         device = meta.slot_mapping.device
-        decodes = build_decode_group(meta.spans, device=device) if self._native(dtype) else None
+        decodes = (build_decode_group(meta.spans, device=device, max_new=self.kernel_max_new)
+                   if self._native(dtype) else None)
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         if self.kv_int8:
             return PagedViewsMetadata(**fields, decode_group=decodes)

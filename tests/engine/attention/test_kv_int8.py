@@ -48,7 +48,7 @@ def int8_step(dtype: torch.dtype, backend: AttentionBackend, *, head_dim: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("backend_name", ["paged_views", "paged_views_native", "gather"])
+@pytest.mark.parametrize("backend_name", ["paged_views", "paged_views_native", "paged_views_native_decodes", "gather"])
 def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, backend_name: str,
                                                             request: pytest.FixtureRequest) -> None:
     # Decodes, prompt chunks over a cached prefix and verifies, over one run, a few and a scattered table; the
@@ -57,8 +57,10 @@ def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, 
     if backend_name == "gather":
         backend, head_dim = GatherBackend(), 8
     else:
-        module = request.getfixturevalue("kernel") if backend_name == "paged_views_native" else None
+        module = request.getfixturevalue("kernel") if backend_name.startswith("paged_views_native") else None
         backend, head_dim = PagedViewsBackend(matmul_from=64, decode_kernel=module), 64
+        if backend_name == "paged_views_native_decodes":
+            backend.kernel_max_new = 1  # verifies and chunks over a dequantized copy of their prefix
     step, q, k, v, k_pool, v_pool = int8_step(dtype, backend, head_dim=head_dim)
     out = attend(q, k, v, k_pool, v_pool, step)
     assert k_pool.dtype == torch.int8 and k_pool.shape[-1] == kv_int8.row_width(head_dim)
@@ -69,7 +71,8 @@ def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, 
     torch.testing.assert_close(out.double(), reference, atol=1e-4 if dtype == torch.float32 else 3e-2, rtol=0)
     if backend_name == "paged_views_native":
         meta = step.meta
-        assert meta.decode_group is not None and len(meta.decode_group.span_indices) == sum(q == 1 for q, _, _ in SEQUENCES)
+        assert meta.decode_group is not None and len(meta.decode_group.span_indices) == sum(
+            q <= native_decode.MAX_NEW for q, _, _ in SEQUENCES)
 
 
 def test_int8_pools_are_not_batched_into_the_short_group() -> None:

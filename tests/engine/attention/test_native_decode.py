@@ -99,17 +99,21 @@ def test_bad_tables_are_refused_not_read(kernel: ModuleType) -> None:
         native_decode.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lengths, module=kernel)
 
 
+@pytest.mark.parametrize("max_new", [1, 5, native_decode.MAX_NEW])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_the_backend_hands_it_the_decodes_and_the_rest_to_torch(kernel: ModuleType, dtype: torch.dtype,
-                                                                atol: float) -> None:
+def test_the_backend_hands_it_the_short_spans_and_the_rest_to_torch(kernel: ModuleType, dtype: torch.dtype,
+                                                                    atol: float, max_new: int) -> None:
     # The mixed step of test_backends (decodes, verifies, prompt chunks; scattered and contiguous tables):
-    # the three decodes go to the kernel in one call, the short verifies still share the padded group.
+    # spans of up to max_new tokens go to the kernel in one call, a row per token; the rest to torch.
     backend = PagedViewsBackend(decode_kernel=kernel)
+    backend.kernel_max_new = max_new
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, head_dim=64)
     planned = backend.plan(step.meta, dtype=dtype)
-    decodes = [i for i, (num_new, _, _) in enumerate(SEQUENCES) if num_new == 1]
-    assert planned.decode_group is not None and planned.decode_group.span_indices == frozenset(decodes)
-    assert planned.short_group is not None and not planned.short_group.span_indices & set(decodes)
+    taken = [i for i, (num_new, _, _) in enumerate(SEQUENCES) if num_new <= max_new]
+    assert planned.decode_group is not None and planned.decode_group.span_indices == frozenset(taken)
+    assert planned.decode_group.token_index.shape[0] == sum(SEQUENCES[i][0] for i in taken)
+    if len(taken) < len(SEQUENCES):
+        assert planned.short_group is not None and not planned.short_group.span_indices & set(taken)
     out = attend(q, k, v, k_cache, v_cache, StepAttention(meta=planned, backend=backend))
     torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
 
@@ -177,3 +181,26 @@ def test_int8_pools_of_the_wrong_shape_or_type_are_refused(kernel: ModuleType) -
     with pytest.raises(RuntimeError, match="int8 pools"):
         native_decode.paged_decode_int8(q, k_pool.to(torch.bfloat16), v_pool.to(torch.bfloat16), tables, lengths,
                                         module=kernel)
+
+
+def test_a_verify_is_its_positions_decodes_bit_for_bit(kernel: ModuleType) -> None:
+    # A verify of 5 tokens over 70 keys: its rows are the decodes at lengths 66..70 of the same table, so
+    # speculation's attention is exactly plain decoding's.
+    gen = torch.Generator().manual_seed(8)
+    q, k_cache, v_cache, tables, _ = random_pool(gen, lengths=[70] * 5, heads=9, kv_heads=3, head_dim=64,
+                                                 block_size=16, dtype=torch.bfloat16)
+    tables[:] = tables[0]
+    from decodeservice.engine.attention import AttentionMetadata, SequenceSpan, slot_runs
+
+    span = SequenceSpan(token_start=0, num_new=5, context_len=70,
+                        runs=slot_runs(tables[0].tolist(), num_tokens=70, block_size=16),
+                        block_table=tables[0, :5].long())
+    slots = [int(tables[0, p // 16]) * 16 + p % 16 for p in range(65, 70)]
+    backend = PagedViewsBackend(decode_kernel=kernel)
+    meta = backend.plan(AttentionMetadata(slot_mapping=torch.tensor(slots), spans=(span,), block_size=16),
+                        dtype=torch.bfloat16)
+    assert meta.decode_group is not None and meta.decode_group.context_lens.tolist() == [66, 67, 68, 69, 70]
+    k_new, v_new = (c.view(-1, 3, 64)[torch.tensor(slots)] for c in (k_cache, v_cache))
+    out = backend.attend(q, k_new, v_new, k_cache, v_cache, meta)
+    lengths = torch.arange(66, 71, dtype=torch.int32)
+    assert torch.equal(out, native_decode.paged_decode(q, k_cache, v_cache, tables, lengths, module=kernel))
