@@ -20,43 +20,20 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decodeservice.engine import Engine, SamplingParams
+from decodeservice.engine import Engine
 from decodeservice.engine.config import EngineConfig
 from decodeservice.engine.quant import detect_cpu
 from decodeservice.engine.runner import kv_bytes_per_block
 
-DOCUMENT = ("Entry {i}. The survey team walked the northern ridge at dawn, logging every spring, path and "
-            "ruined wall they passed, and the weather at each camp. ")
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from long_context import document_tokens, engine_clocks
+
 KINDS = ("activations", "int8")
-
-
-def prompt(engine: Engine, n: int, offset: int) -> list[int]:
-    """n tokens of running text; `offset` makes every round's prompt differ from its first token."""
-    text, i = "", offset
-    while len(ids := engine.tokenizer.encode(text, add_special_tokens=False)) < n:
-        text += DOCUMENT.format(i=i)
-        i += 1
-    return ids[:n]
-
-
-def clocks(engine: Engine, tokens: list[int], new_tokens: int) -> dict[str, float]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.add_request(tokens, params)
-    first = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if first is None and out.new_token_ids:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None
-    return {"ttft_s": first - start, "decode_tokens_per_s": (new_tokens - 1) / (end - first)}
 
 
 def summary(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -88,7 +65,7 @@ def main() -> int:
     auto_takes = "int8" if auto.kv_dtype == torch.int8 else "activations"
     del auto
     for engine in engines.values():
-        clocks(engine, prompt(engine, 16, offset=10**6), 4)  # warm-up
+        engine_clocks(engine, document_tokens(engine, 16, offset=10**6), 4)  # warm-up
     reference = engines["activations"]
     result: dict[str, Any] = {
         "threads": args.threads, "decode_tokens": args.decode_tokens, "rounds": args.rounds,
@@ -105,10 +82,10 @@ def main() -> int:
     runs: dict[int, dict[str, list[dict[str, float]]]] = {n: {kind: [] for kind in KINDS} for n in contexts}
     for r in range(args.rounds):
         for n in contexts:
-            tokens = prompt(reference, n, offset=1000 * (r + 1) + n)
+            tokens = document_tokens(reference, n, offset=1000 * (r + 1) + n)
             # The order alternates by round, so neither engine always runs second.
             for kind in KINDS if r % 2 == 0 else reversed(KINDS):
-                runs[n][kind].append(clocks(engines[kind], tokens, args.decode_tokens))
+                runs[n][kind].append(engine_clocks(engines[kind], tokens, args.decode_tokens))
     for n in contexts:
         entry = {kind: summary(runs[n][kind]) for kind in KINDS}
         a, b = entry["activations"], entry["int8"]
