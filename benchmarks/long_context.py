@@ -197,7 +197,7 @@ def main() -> int:
     engine_clocks(engine, questions[0], 4)  # warm-up
     result: dict[str, Any] = {
         "threads": args.threads, "engine_dtype": str(engine.dtype).removeprefix("torch."),
-        "engine_weights": engine.model.weight_format, "kv_cache_dtype": str(engine.runner.kv_caches[0][0].dtype),
+        "engine_weights": engine.model.weight_format, "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "decode_tokens": args.decode_tokens,
         "note": "one run on a machine shared with other jobs; the engine's attention backend: "
                 + engine.runner.attention_backend.name,
@@ -304,8 +304,8 @@ def targets(result: dict[str, Any], contexts: list[int]) -> dict[str, Any]:
         ratio = result["contexts"][str(max(contexts))]["engine_decode_vs_llama_cpp"]
         out["decode_at_longest_vs_llama_cpp"] = {
             "ratio": ratio, "met": ratio >= 1.0,
-            "note": f"engine {result['engine_weights']} weights, {result['engine_dtype']} activations and KV "
-                    "vs llama.cpp Q4_1 (f16 KV)"}
+            "note": f"engine {result['engine_weights']} weights, {result['engine_dtype']} activations, "
+                    f"{result['kv_cache_dtype']} KV vs llama.cpp Q4_1 (f16 KV)"}
     return out
 
 
