@@ -9,7 +9,8 @@ without native bf16), `int8` holds kv_int8.py's rows. `auto_takes` records which
 kv_cache_dtype auto takes on this machine (Engine._choose_kv_dtype). Per round and context, each engine in turn serves a prompt it has not seen (a miss: every round's document differs)
 and decodes --decode-tokens greedily. Reported per context and engine: TTFT and decode tokens/s, best
 and median over the rounds (interference only slows a run down, so best is the cleaner figure), and
-int8's ratio to activations; per engine: the pool's bytes per token and how many tokens the same kv_cache_gib
+int8's ratio to activations; the longest context's decode rate over the shortest's, best over best and
+per round (the median of the rounds' ratios); per engine: the pool's bytes per token and how many tokens the same kv_cache_gib
 holds. One run on a shared machine.
 """
 
@@ -97,6 +98,13 @@ def main() -> int:
     result["decode_long_vs_short_best"] = {
         kind: result["contexts"][long][kind]["decode_tokens_per_s_best"]
         / result["contexts"][short][kind]["decode_tokens_per_s_best"] for kind in KINDS}
+    # Each round decodes both contexts within seconds of each other, so its ratio sees one state of the
+    # shared machine; best over best can pair a quiet moment's short run with a busy one's long run.
+    paired = {kind: [lr["decode_tokens_per_s"] / sr["decode_tokens_per_s"]
+                     for sr, lr in zip(runs[min(contexts)][kind], runs[max(contexts)][kind], strict=True)]
+              for kind in KINDS}
+    result["decode_long_vs_short_per_round"] = paired
+    result["decode_long_vs_short_median_of_rounds"] = {kind: statistics.median(r) for kind, r in paired.items()}
     result["load_average_1min_at_end"] = os.getloadavg()[0]
     text = json.dumps(result, indent=2)
     print(text)
