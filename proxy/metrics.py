@@ -87,6 +87,14 @@ class ProxyMetrics:
                                 "Requests refused as invalid (400/413), by reason.", ["reason"], registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens",
                                          "Output tokens relayed to clients.", cls, registry=r)
+        # Good/total counters per objective: burn-rate alerts take rates of these over any window, which
+        # the attainment gauge (one fixed window, per pod) cannot give.
+        self.slo_requests = Counter(f"{PREFIX}slo_requests",
+                                    "Finished requests judged against each objective, by outcome (met, missed).",
+                                    ["class", "objective", "outcome"], registry=r)
+        self._slo_outcomes = {(p, objective, met): self.slo_requests.labels(p.value, objective,
+                                                                             "met" if met else "missed")
+                              for p in PriorityClass for objective in ("ttft", "itl") for met in (True, False)}
         self.upstream_errors = Counter(f"{PREFIX}upstream_errors",
                                        "Upstream failures: unreachable, died mid-stream, timeout.",
                                        ["kind"], registry=r)
@@ -121,7 +129,9 @@ class ProxyMetrics:
             m.tpot.observe((outcome.e2e - outcome.ttft) / (outcome.output_tokens - 1))
         m.e2e.observe(outcome.e2e)
         m.generation_tokens.inc(outcome.output_tokens)
-        self.tracker.record(outcome)
+        verdict = self.tracker.record(outcome)
+        self._slo_outcomes[(outcome.priority, "ttft", verdict.ttft)].inc()
+        self._slo_outcomes[(outcome.priority, "itl", verdict.itl)].inc()
         self.latency.record(outcome)
 
     def _refresh_attainment(self, now: float) -> None:

@@ -28,6 +28,14 @@ class RequestOutcome:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    """Whether one request met each objective: what the window averages and the SLO counters count."""
+
+    ttft: bool
+    itl: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Attainment:
     ttft: float
     itl: float
@@ -48,12 +56,13 @@ class SloTracker:
             p: collections.deque(maxlen=max_samples) for p in PriorityClass
         }
 
-    def record(self, outcome: RequestOutcome) -> None:
+    def record(self, outcome: RequestOutcome) -> Verdict:
         ttft_ok = outcome.ttft is not None and outcome.ttft * 1000.0 <= self._slo.ttft_ms
         itl_ok = not outcome.itls or percentile(outcome.itls, self._slo.percentile) * 1000.0 <= (
             self._slo.itl_ms
         )
         self._samples[outcome.priority].append((outcome.finished, ttft_ok, itl_ok))
+        return Verdict(ttft=ttft_ok, itl=itl_ok)
 
     def attainment(self, priority: PriorityClass, *, now: float) -> Attainment | None:
         samples = self._samples[priority]

@@ -35,7 +35,7 @@ async def test_metrics_parse_and_match_the_documentation(engine: FakeEngine, pro
     assert response.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
     documented = _documented()
-    assert len(documented) == 17
+    assert len(documented) == 18
     exported = {n for n in families if n.startswith("decode_proxy:") and not n.endswith("_created")}
     assert {_family_name(n) for n in documented} == exported
 
@@ -68,3 +68,6 @@ async def test_attainment_drops_when_the_slo_is_missed(engine: FakeEngine, proxy
         text = (await client.get("/metrics")).text
     assert 'decode_proxy:slo_attainment_ratio{class="interactive",objective="ttft"} 0.0' in text
     assert 'decode_proxy:slo_attainment_ratio{class="interactive",objective="itl"} 1.0' in text
+    assert 'decode_proxy:slo_requests_total{class="interactive",objective="ttft",outcome="missed"} 1.0' in text
+    assert 'decode_proxy:slo_requests_total{class="interactive",objective="ttft",outcome="met"} 0.0' in text
+    assert 'decode_proxy:slo_requests_total{class="interactive",objective="itl",outcome="met"} 1.0' in text
