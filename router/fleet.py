@@ -1,0 +1,178 @@
+"""The endpoints the router knows, their readiness and load, and the requests it has on each.
+
+Endpoints come from a source (router/endpoints.py) as `url -> ready` where `ready` is the
+EndpointSlice's condition, or None for a static list, whose readiness the router probes itself
+(each proxy's `GET /ready`). Every `scrape_interval_s` (every `FAST_PROBE_S` while no endpoint is
+ready, so a held request is answered soon after a pod comes up) each known endpoint is probed and its
+/metrics read. A request that cannot connect marks its endpoint unready until the next probe says
+otherwise. Held requests wait on `wait_for_ready`, a condition woken whenever the ready set changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+
+import httpx
+
+from decodeservice.proxy.policy import PriorityClass
+from decodeservice.router.prefill_model import PrefillModel
+from decodeservice.router.prefix_index import PrefixIndex
+from decodeservice.router.prompt_keys import PromptKeys
+from decodeservice.router.scoring import EndpointView
+from decodeservice.router.scrape import NO_LOAD, ScrapedLoad, probe_ready, scrape_load
+
+log = logging.getLogger(__name__)
+FAST_PROBE_S = 0.1
+_MEAN_DECAY = 0.9
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class InFlight:
+    """One of the router's requests on an endpoint: its prefill work until its first token."""
+
+    priority: PriorityClass
+    tokens: float  # prefill tokens ahead of it at dispatch plus its own uncached ones (the model's x)
+    uncached: int
+    prefilling: bool = True
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class EndpointState:
+    url: str
+    probed: bool  # readiness comes from our own /ready probe (static list), not from an EndpointSlice
+    ready: bool = False
+    load: ScrapedLoad = NO_LOAD
+    model: PrefillModel = dataclasses.field(default_factory=PrefillModel)
+    inflight: dict[int, InFlight] = dataclasses.field(default_factory=dict)
+
+    def prefill_tokens_ahead(self) -> float:
+        return sum(r.uncached for r in self.inflight.values() if r.prefilling)
+
+
+class Fleet:
+    def __init__(self, *, index: PrefixIndex, scrape_interval_s: float) -> None:
+        self.index = index
+        self.scrape_interval_s = scrape_interval_s
+        self.endpoints: dict[str, EndpointState] = {}
+        self._changed = asyncio.Condition()
+        self._ids = itertools.count()
+        # The mean uncached prompt of a request: what each request in a proxy's queue is taken to cost.
+        self.mean_uncached = 256.0
+
+    # -- the endpoint set ---------------------------------------------------------------------------
+    def ready_urls(self) -> list[str]:
+        return [url for url, e in self.endpoints.items() if e.ready]
+
+    def update(self, endpoints: dict[str, bool | None]) -> None:
+        """The source's current set: `url -> ready` (None: probe it ourselves)."""
+        for url in list(self.endpoints):
+            if url not in endpoints:
+                del self.endpoints[url]
+                self.index.forget(url)
+        for url, ready in endpoints.items():
+            state = self.endpoints.get(url)
+            if state is None:
+                state = self.endpoints[url] = EndpointState(url=url, probed=ready is None, model=self._new_model())
+            if ready is not None:
+                state.ready = ready
+        self._notify()
+
+    def _new_model(self) -> PrefillModel:
+        """A new endpoint starts from what its peers have learned, not from the generic prior."""
+        learned = [e.model.estimate for e in self.endpoints.values() if e.model.observed]
+        if not learned:
+            return PrefillModel()
+        return PrefillModel(base_s=sum(m.base_s for m in learned) / len(learned),
+                            cost_per_token_s=sum(m.cost_per_token_s for m in learned) / len(learned))
+
+    def mark_unready(self, url: str) -> None:
+        state = self.endpoints.get(url)
+        if state is not None and state.ready:
+            state.ready = False
+            self._notify()
+
+    def _notify(self) -> None:
+        async def wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        with contextlib.suppress(RuntimeError):  # no running loop (a unit test building the fleet)
+            asyncio.get_running_loop().create_task(wake())
+
+    async def wait_for_ready(self, timeout: float) -> bool:
+        """True as soon as some endpoint is ready; False when `timeout` passes first."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: bool(self.ready_urls())), timeout)
+            except TimeoutError:
+                return bool(self.ready_urls())
+        return True
+
+    # -- what a decision reads ------------------------------------------------------------------------
+    def views(self, priority: PriorityClass, keys: PromptKeys, *, exclude: frozenset[str] = frozenset(),
+              ) -> list[EndpointView]:
+        views = []
+        for url, e in self.endpoints.items():
+            if not e.ready or url in exclude:
+                continue
+            # The proxy serves its queue interactive first: a batch request waits behind both classes.
+            queued = e.load.waiting[PriorityClass.INTERACTIVE]
+            if priority is PriorityClass.BATCH:
+                queued += e.load.waiting[PriorityClass.BATCH]
+            estimate = e.model.estimate
+            views.append(EndpointView(
+                url=url, hit_tokens=self.index.match(url, keys.blocks) * keys.block_tokens,
+                tokens_ahead=e.prefill_tokens_ahead() + queued * self.mean_uncached,
+                busy=bool(e.inflight) or e.load.running > 0 or queued > 0, kv_usage=e.load.kv_usage,
+                base_s=estimate.base_s, cost_per_token_s=estimate.cost_per_token_s, observed=estimate.observed > 0,
+            ))
+        return views
+
+    # -- the router's own requests ------------------------------------------------------------------
+    def dispatched(self, url: str, *, priority: PriorityClass, uncached: int) -> int:
+        """Count a request sent to `url`; returns its handle for `first_token` and `finished`."""
+        state = self.endpoints[url]
+        handle = next(self._ids)
+        state.inflight[handle] = InFlight(priority=priority, tokens=state.prefill_tokens_ahead() + uncached,
+                                          uncached=uncached)
+        self.mean_uncached = _MEAN_DECAY * self.mean_uncached + (1 - _MEAN_DECAY) * uncached
+        return handle
+
+    def first_token(self, url: str, handle: int, *, ttft_s: float) -> None:
+        state = self.endpoints.get(url)
+        request = None if state is None else state.inflight.get(handle)
+        if state is None or request is None or not request.prefilling:
+            return
+        request.prefilling = False
+        state.model.observe(tokens=request.tokens, ttft_s=ttft_s)
+
+    def finished(self, url: str, handle: int) -> None:
+        state = self.endpoints.get(url)
+        if state is not None:
+            state.inflight.pop(handle, None)
+
+    # -- probing ------------------------------------------------------------------------------------
+    async def poll_forever(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await self.poll_once(client)
+            await asyncio.sleep(self.scrape_interval_s if self.ready_urls() else FAST_PROBE_S)
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        states = list(self.endpoints.values())
+        await asyncio.gather(*(self._poll(client, s) for s in states))
+
+    async def _poll(self, client: httpx.AsyncClient, state: EndpointState) -> None:
+        if state.probed:
+            ready = await probe_ready(client, state.url)
+            if ready != state.ready and self.endpoints.get(state.url) is state:
+                log.info("endpoint %s is %s", state.url, "ready" if ready else "not ready")
+                state.ready = ready
+                self._notify()
+        if state.ready:
+            load = await scrape_load(client, state.url)
+            if load is not None:
+                state.load = load

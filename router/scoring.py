@@ -1,0 +1,130 @@
+"""The routing decision, as pure functions of what the router knows (docs/routing.md explains each term).
+
+Per ready endpoint the router predicts the request's time to first token:
+
+    predicted = base + (prefill tokens ahead + the prompt's uncached tokens) x cost per token
+
+`base` and `cost per token` are learned per endpoint from the first tokens it observes (`PrefillModel`),
+"tokens ahead" counts the router's own requests on that endpoint still in prefill plus the proxy's
+queue from its /metrics, and the uncached tokens are the prompt minus the prefix the index says the
+endpoint holds. Then:
+
+1. one ready endpoint: it (`only_endpoint`);
+2. among endpoints predicted within the class's TTFT objective, the largest prefix hit
+   (`prefix_hit_within_slo`): a hit is prefill the fleet does not redo;
+3. a tie (a cold prefix, or one every endpoint holds, such as a shared system prompt): rendezvous
+   hashing of the conversation key over the tied endpoints predicted within `COLD_SLACK` of the
+   least-loaded one (`rendezvous`). Two routers that see the same endpoints pick the same one without
+   sharing state, so running two does not split a conversation's turns between two caches;
+4. no endpoint within the objective: the least predicted TTFT (`least_predicted_ttft`), or a shed
+   when even that one is over the objective, busy, and its cost model has been observed (`should_shed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import math
+from collections.abc import Sequence
+
+# A cold prefix may go to any endpoint predicted within this fraction of the objective of the fastest:
+# close enough that the hash, not the momentary load, decides (and two routers agree), yet an endpoint
+# already a quarter of the objective behind is not handed a full prefill on top.
+COLD_SLACK = 0.25
+# Above this KV-cache usage an engine evicts cached prefixes to make room, so a hit the index predicts
+# is discounted linearly to nothing at a full cache.
+KV_PRESSURE = 0.9
+
+
+class Reason(enum.StrEnum):
+    PREFIX_HIT_WITHIN_SLO = "prefix_hit_within_slo"
+    LEAST_PREDICTED_TTFT = "least_predicted_ttft"
+    RENDEZVOUS = "rendezvous"
+    ONLY_ENDPOINT = "only_endpoint"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EndpointView:
+    """One ready endpoint as the router sees it for one request of one class."""
+
+    url: str
+    hit_tokens: int  # prompt tokens the index expects cached there
+    tokens_ahead: float  # prefill tokens that would run before this request's
+    busy: bool  # something is in flight or queued there
+    kv_usage: float = 0.0  # the engine's KV-cache usage, 0..1 (vllm:kv_cache_usage_perc)
+    base_s: float
+    cost_per_token_s: float
+    observed: bool  # the cost model has seen a first token from this endpoint
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    endpoint: str
+    reason: Reason
+    predicted_ttft_s: float
+    hit_tokens: int  # what the router expects cached on the chosen endpoint (after the KV discount)
+
+
+def effective_hit(view: EndpointView) -> int:
+    if view.kv_usage <= KV_PRESSURE:
+        return view.hit_tokens
+    return int(view.hit_tokens * max(0.0, (1.0 - view.kv_usage) / (1.0 - KV_PRESSURE)))
+
+
+def predicted_ttft(view: EndpointView, prompt_tokens: int) -> float:
+    uncached = max(prompt_tokens - effective_hit(view), 1)  # the last prompt token is always computed
+    return view.base_s + (view.tokens_ahead + uncached) * view.cost_per_token_s
+
+
+def rendezvous_weight(endpoint: str, key: bytes) -> bytes:
+    """Highest random weight hashing: each router computes the same weight, so the same winner."""
+    return hashlib.blake2b(key + b"\x00" + endpoint.encode(), digest_size=8).digest()
+
+
+def rendezvous(endpoints: Sequence[str], key: bytes) -> str:
+    return max(endpoints, key=lambda e: rendezvous_weight(e, key))
+
+
+def decide(views: Sequence[EndpointView], *, prompt_tokens: int, conversation: bytes,
+           objective_s: float) -> Decision:
+    """Pick an endpoint for a request (see the module docstring); `views` must not be empty."""
+    assert views, "decide() needs at least one ready endpoint"
+    predicted = {v.url: predicted_ttft(v, prompt_tokens) for v in views}
+
+    def made(view: EndpointView, reason: Reason) -> Decision:
+        return Decision(endpoint=view.url, reason=reason, predicted_ttft_s=predicted[view.url],
+                        hit_tokens=effective_hit(view))
+
+    if len(views) == 1:
+        return made(views[0], Reason.ONLY_ENDPOINT)
+    within = [v for v in views if predicted[v.url] <= objective_s]
+    if not within:
+        return made(min(views, key=lambda v: (predicted[v.url], v.url)), Reason.LEAST_PREDICTED_TTFT)
+    best_hit = max(effective_hit(v) for v in within)
+    top = [v for v in within if effective_hit(v) == best_hit]
+    if len(top) == 1:
+        return made(top[0], Reason.PREFIX_HIT_WITHIN_SLO if best_hit > 0 else Reason.LEAST_PREDICTED_TTFT)
+    fastest = min(predicted[v.url] for v in top)
+    near = [v for v in top if predicted[v.url] <= fastest + COLD_SLACK * objective_s]
+    chosen = rendezvous([v.url for v in near], conversation)
+    return made(next(v for v in near if v.url == chosen), Reason.RENDEZVOUS)
+
+
+def should_shed(views: Sequence[EndpointView], *, prompt_tokens: int, objective_s: float) -> float | None:
+    """Seconds the best endpoint is predicted to take when every endpoint is predicted over the
+    objective, and shedding is warranted; None otherwise.
+
+    As the proxy's admission: a request some endpoint would start at once is never shed (refusing it
+    could make no one faster), nor one whose prediction rests only on the prior (nothing observed).
+    """
+    best = min(predicted_ttft(v, prompt_tokens) for v in views)
+    if best <= objective_s:
+        return None
+    if any(not v.busy or not v.observed for v in views):
+        return None
+    return best
+
+
+def retry_after_seconds(predicted_s: float) -> int:
+    return max(1, math.ceil(predicted_s))
