@@ -61,6 +61,11 @@ class HoldTimeout(ServiceUnavailable):
     code = "no_ready_endpoint"
 
 
+def shed_objective(priority: PriorityClass, objective_s: float) -> float:
+    """The predicted TTFT past which a request of this class is shed."""
+    return objective_s * (BATCH_SHED_SHARE if priority is PriorityClass.BATCH else 1.0)
+
+
 class RouterMeter(SseMeter):
     """The proxy's SSE meter, plus a call at the first token event and the usage's prompt counts."""
 
@@ -158,8 +163,7 @@ class Dispatcher:
         """Decide and send; None when the chosen endpoint failed before its response head."""
         views = self.fleet.views(ctx.priority, keys)
         objective = self.config.ttft_objective_s
-        threshold = objective * (BATCH_SHED_SHARE if ctx.priority is PriorityClass.BATCH else 1.0)
-        predicted = should_shed(views, prompt_tokens=keys.tokens, objective_s=threshold)
+        predicted = should_shed(views, prompt_tokens=keys.tokens, objective_s=shed_objective(ctx.priority, objective))
         if predicted is not None:
             self.metrics.shed.labels(ctx.priority.value, "slo").inc()
             raise Overloaded(

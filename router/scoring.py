@@ -11,10 +11,12 @@ endpoint holds. Then:
 
 1. one ready endpoint: it (`only_endpoint`);
 2. among endpoints predicted within the class's TTFT objective, the largest prefix hit
-   (`prefix_hit_within_slo`): a hit is prefill the fleet does not redo;
-3. a tie (a cold prefix, or one every endpoint holds, such as a shared system prompt): rendezvous
-   hashing of the conversation key over the tied endpoints predicted within `COLD_SLACK` of the
-   least-loaded one (`rendezvous`). Two routers that see the same endpoints pick the same one without
+   (`prefix_hit_within_slo`): a hit is prefill the fleet does not redo. Hits within `HIT_TIE_SHARE`
+   of the prompt of the largest count as a tie: a shared system prompt cached on one endpoint only
+   must not pull every new conversation there;
+3. a tie (a cold prefix, or one only a shared system prompt long): rendezvous hashing of the
+   conversation key over the tied endpoints predicted within `COLD_SLACK` of the objective of the
+   fastest of them (`rendezvous`). Two routers that see the same endpoints pick the same one without
    sharing state, so running two does not split a conversation's turns between two caches;
 4. no endpoint within the objective: the least predicted TTFT (`least_predicted_ttft`), or a shed
    when even that one is over the objective, busy, and its cost model has been observed (`should_shed`).
@@ -32,6 +34,9 @@ from collections.abc import Sequence
 # close enough that the hash, not the momentary load, decides (and two routers agree), yet an endpoint
 # already a quarter of the objective behind is not handed a full prefill on top.
 COLD_SLACK = 0.25
+# Hits that differ by less than this share of the prompt are a tie: what the smaller one costs in extra
+# prefill is small beside what piling new conversations onto one endpoint costs in queueing.
+HIT_TIE_SHARE = 0.25
 # Above this KV-cache usage an engine evicts cached prefixes to make room, so a hit the index predicts
 # is discounted linearly to nothing at a full cache.
 KV_PRESSURE = 0.9
@@ -102,7 +107,7 @@ def decide(views: Sequence[EndpointView], *, prompt_tokens: int, conversation: b
     if not within:
         return made(min(views, key=lambda v: (predicted[v.url], v.url)), Reason.LEAST_PREDICTED_TTFT)
     best_hit = max(effective_hit(v) for v in within)
-    top = [v for v in within if effective_hit(v) == best_hit]
+    top = [v for v in within if effective_hit(v) >= best_hit - HIT_TIE_SHARE * prompt_tokens]
     if len(top) == 1:
         return made(top[0], Reason.PREFIX_HIT_WITHIN_SLO if best_hit > 0 else Reason.LEAST_PREDICTED_TTFT)
     fastest = min(predicted[v.url] for v in top)

@@ -79,6 +79,15 @@ def test_a_prefix_every_endpoint_holds_is_a_tie_broken_by_rendezvous() -> None:
     assert d.endpoint == rendezvous(["a", "b"], b"conv-1")
 
 
+def test_a_small_hit_such_as_a_shared_system_prompt_is_a_tie() -> None:
+    views = [view("a", hit=96), view("b")]  # only a has served the 96-token system prompt yet
+    chosen = {decide(views, prompt_tokens=700, conversation=bytes([k]), objective_s=1.0).endpoint
+              for k in range(32)}
+    assert chosen == {"a", "b"}
+    d = decide([view("a", hit=640), view("b")], prompt_tokens=700, conversation=b"c", objective_s=1.0)
+    assert (d.endpoint, d.reason) == ("a", Reason.PREFIX_HIT_WITHIN_SLO)
+
+
 def test_rendezvous_moves_only_the_keys_of_a_removed_endpoint() -> None:
     keys = [f"conv-{i}".encode() for i in range(200)]
     before = {k: rendezvous(["a", "b", "c"], k) for k in keys}
