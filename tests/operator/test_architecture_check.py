@@ -57,7 +57,7 @@ def test_an_unsupported_builtin_architecture_is_refused_with_the_supported_list(
 def test_vllm_serves_the_same_model_and_supported_hints_pass() -> None:
     containers = render(service(kind="vllm")).deployment["spec"]["template"]["spec"]["containers"]
     engine = next(c for c in containers if c["name"] == "engine")
-    assert "vllm.entrypoints.openai.api_server" in engine["command"] and engine["args"][1].endswith("google--gemma-2-2b-it@main")
+    assert "vllm.entrypoints.launchers.api_server.entry" in engine["command"] and engine["args"][1].endswith("google--gemma-2-2b-it@main")
     for model_type in SUPPORTED_MODEL_TYPES:
         validate_spec(service(model={"uri": "hf://org/m", "architecture": model_type})["spec"])
     with pytest.raises(InvalidSpecError, match="not supported by the builtin engine"):
@@ -80,7 +80,7 @@ async def test_an_unsupported_architecture_is_ready_false_and_vllm_is_not(operat
     await operator.patch(f"{DS_PATH}/gemma", {"spec": {"engine": {"kind": "vllm", "quantization": "auto"}}})
     deployment = await operator.wait_for(lambda: operator.get(DEPLOYMENTS, "gemma"), what="vLLM Deployment")
     engine = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine")
-    assert "vllm.entrypoints.openai.api_server" in engine["command"]
+    assert "vllm.entrypoints.launchers.api_server.entry" in engine["command"]
     await operator.wait_for(lambda: ready().get("reason") != "InvalidSpec", what="InvalidSpec cleared")
 
 

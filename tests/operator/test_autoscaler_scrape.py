@@ -110,11 +110,11 @@ def test_hostile_bodies_are_refused_with_a_reason(body: str, why: str) -> None:
     assert why in str(info.value)
 
 
-def test_vllm_before_the_rename_reports_gpu_cache_usage() -> None:
-    body = GOOD.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+def test_a_kv_gauge_name_no_supported_vllm_has_is_not_read() -> None:
+    body = GOOD.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # vLLM before 0.10
     body += 'vllm:num_requests_waiting{model_name="m",engine="1"} 2\n'
     sample = parse_metrics(body, pod="p", at=0.0)
-    assert (sample.kv_cache_usage, sample.engine_waiting) == (0.25, 3.0)
+    assert (sample.kv_cache_usage, sample.engine_waiting) == (None, 3.0)
 
 
 def test_unused_series_may_hold_anything() -> None:

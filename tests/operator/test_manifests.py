@@ -97,8 +97,8 @@ def test_gpu_speculative_downloads_both_models_and_sets_gpu_limits() -> None:
 def test_vllm_renders_the_openai_server_with_equivalent_flags() -> None:
     children = render(load(example_paths()[0].with_name("vllm-proxy.yaml")))
     engine = container(children, "engine")
-    assert engine["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-    assert engine["image"] == "vllm/vllm-openai:v0.11.0"
+    assert engine["command"] == ["python3", "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert engine["image"] == "vllm/vllm-openai:v0.32.0"
     args = engine["args"]
     assert "--enable-prefix-caching" in args
     assert flag(args, "--max-num-seqs") == "128" and flag(args, "--gpu-memory-utilization") == "0.9"
@@ -189,7 +189,8 @@ def test_build_is_pure_and_options_apply() -> None:
 
 @pytest.mark.parametrize(("body", "message"), [
     (minimal(model={"uri": "bundled://llama-70b"}), "bundles only smollm2-135m"),
-    (minimal(engine={"kind": "vllm"}, model={"uri": "hf://org/m"}), "at least one GPU"),
+    (minimal(engine={"kind": "vllm"}, model={"uri": "hf://org/m"}, resources={"memory": "1Gi"}),
+     "too little for vLLM on CPU"),
     (minimal(engine={"kind": "vllm", "quantization": "int8"}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "pre-quantized"),
     (minimal(engine={"quantization": "int4"}, resources={"gpus": 1}), "int4 runs on CPU only"),

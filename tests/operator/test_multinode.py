@@ -156,7 +156,7 @@ def test_the_leader_serves_vllm_over_ray_and_the_workers_join_it() -> None:
     # The leader: the Ray head, then vLLM with tensor parallel per pod and pipeline parallel across them.
     assert engine["command"] == ["sh", "-c", RAY_LEADER_SCRIPT, "vllm-leader"]
     assert f"ray start --head --port={RAY_PORT}" in RAY_LEADER_SCRIPT
-    assert 'exec python3 -m vllm.entrypoints.openai.api_server "$@"' in RAY_LEADER_SCRIPT
+    assert 'exec python3 -m vllm.entrypoints.launchers.api_server.entry "$@"' in RAY_LEADER_SCRIPT
     args = engine["args"]
     assert flag(args, "--tensor-parallel-size") == "8" and flag(args, "--pipeline-parallel-size") == "2"
     assert flag(args, "--distributed-executor-backend") == "ray"
@@ -252,11 +252,12 @@ FAKE_VLLM = "import json, sys\nprint('VLLM ' + json.dumps(sys.argv[1:]))\n"
 def _stand_ins(tmp_path: Path, *, ray_failures: int = 0) -> dict[str, str]:
     """`ray`, `sleep` and `python3` on PATH, and importable `ray` and `vllm` stand-ins that log what ran."""
     bin_dir, lib = tmp_path / "bin", tmp_path / "lib"
-    (lib / "vllm" / "entrypoints" / "openai").mkdir(parents=True)
+    server = lib / "vllm" / "entrypoints" / "launchers" / "api_server"  # the module engines.VLLM_SERVER runs
+    server.mkdir(parents=True)
     bin_dir.mkdir()
-    for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/openai"):
+    for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/launchers", "vllm/entrypoints/launchers/api_server"):
         (lib / pkg / "__init__.py").write_text("")
-    (lib / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text(FAKE_VLLM)
+    (server / "entry.py").write_text(FAKE_VLLM)
     (lib / "ray.py").write_text(FAKE_RAY_MODULE)
     log = tmp_path / "ray.log"
     (bin_dir / "ray").write_text(textwrap.dedent(f"""\

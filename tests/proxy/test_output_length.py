@@ -26,10 +26,37 @@ async def test_clamp_rewrites_both_limits_and_sets_header(engine: FakeEngine, pr
             "max_tokens": 100, "max_completion_tokens": 50,
         })
     assert r.status_code == 200, r.text
-    assert r.headers["x-decode-clamped"] == "100"
+    assert r.headers["x-decode-clamped"] == "50"  # the limit the engine obeys: max_completion_tokens
     assert engine.received[-1]["max_tokens"] == 8
     assert engine.received[-1]["max_completion_tokens"] == 8
     assert r.json()["usage"]["completion_tokens"] == 8
+
+
+async def test_max_completion_tokens_wins_whenever_given(engine: FakeEngine, proxy: Any) -> None:
+    """vLLM from 0.30 (and the builtin engine) obey max_completion_tokens when it is not null, 0 included:
+    a max_tokens above the cap beside it is lowered, but nothing was clamped that the engine would obey."""
+    async with proxy(CLAMP, engine.url) as (app, client):
+        r = await client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+            "max_completion_tokens": 5})
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200, r.text
+    assert "x-decode-clamped" not in r.headers
+    assert engine.received[-1]["max_tokens"] == 8 and engine.received[-1]["max_completion_tokens"] == 5
+    assert 'decode_proxy:requests_clamped_total{class="interactive"} 0.0' in metrics
+
+
+async def test_reject_judges_the_limit_the_engine_obeys(engine: FakeEngine, proxy: Any) -> None:
+    async with proxy(REJECT, engine.url) as (_, client):
+        ok = await client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+            "max_completion_tokens": 5})
+        over = await client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "max_completion_tokens": 100})
+    assert ok.status_code == 200, ok.text
+    assert engine.received[-1]["max_tokens"] == 8  # lowered, not refused: the engine reads the other field
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_completion_tokens"
 
 
 async def test_clamp_streaming_generates_only_the_cap(engine: FakeEngine, proxy: Any) -> None:

@@ -25,6 +25,19 @@ def test_attainment_counts_objectives_and_forgets_old_requests() -> None:
     assert tracker.attainment(PriorityClass.INTERACTIVE, now=5.0) is None
 
 
+def test_a_non_streamed_answer_is_not_judged_against_token_objectives() -> None:
+    """Its time to the whole body is neither a first token nor a gap: it leaves the window alone."""
+    tracker = SloTracker(SloPolicy(ttft_ms=100, itl_ms=10, percentile=50, window_seconds=10))
+    for t in range(3):
+        assert tracker.record(_outcome(float(t), 0.01, (0.001,))) is not None
+    for t in range(3, 5):
+        whole = RequestOutcome(priority=PriorityClass.BATCH, finished=float(t), ttft=None, upstream_ttft=None,
+                               service_time=0.01, e2e=0.01, itls=(), output_tokens=5, streamed=False)
+        assert tracker.record(whole) is None
+    att = tracker.attainment(PriorityClass.BATCH, now=5.0)
+    assert att is not None and (att.ttft, att.itl, att.all, att.requests) == (1.0, 1.0, 1.0, 3)
+
+
 def test_latency_model_windows() -> None:
     model = LatencyModel(window_seconds=10)
     assert model.ttft_quantile(0.9, now=0.0) is None and model.mean_service_time(now=0.0) is None

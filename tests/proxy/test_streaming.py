@@ -12,7 +12,8 @@ from decodeservice.proxy.streaming import SseMeter
 TOKEN_EVENTS: list[dict[str, Any]] = [
     {"choices": [{"index": 0, "text": " t0", "logprobs": None, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},  # vLLM before 0.30
+    {"choices": [{"index": 0, "delta": {"reasoning": "hmm"}}]},  # vLLM 0.30 on (tests/support/contracts/)
     {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]},
     {"choices": [{"index": 0, "delta": {"content": "\"quoted\""}}]},
     {"choices": [{"index": 0, "text": "\\"}]},
@@ -21,6 +22,7 @@ NON_TOKEN_EVENTS: list[dict[str, Any]] = [
     {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
     {"choices": [{"index": 0, "delta": {"content": None}, "finish_reason": "stop"}]},
     {"choices": [{"index": 0, "delta": {"tool_calls": []}}]},
+    {"choices": [{"index": 0, "delta": {"reasoning": None}}]},
     {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
     # Chat logprobs have a `content` key holding a list, not output text.
     {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [{"token": "a", "logprob": -1.0}]}}]},

@@ -135,11 +135,73 @@ async def test_clamped_chat_stream_in_process(version: str, proxy: Any) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_max_completion_tokens_is_the_limit_vllm_obeys(version: str, proxy: Any) -> None:
     standin = VllmStandIn(contract=Contract.load(version))
-    body = {"model": standin.model, "prompt": "x", "max_tokens": 2, "max_completion_tokens": 90}
+    body = {"model": standin.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 90,
+            "max_completion_tokens": 3}
     async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (_, client):
-        response = await client.post("/v1/completions", json=body)
-    assert response.status_code == 200 and response.headers["x-decode-clamped"] == "90"
-    assert response.json()["usage"]["completion_tokens"] == 6  # vLLM took max_completion_tokens, clamped
+        response = await client.post("/v1/chat/completions", json=body)
+        over = await client.post("/v1/chat/completions", json={**body, "max_tokens": 2, "max_completion_tokens": 90})
+    assert response.status_code == 200 and "x-decode-clamped" not in response.headers  # vLLM obeys the 3
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert standin.received[0]["max_tokens"] == 6  # lowered anyway, uncounted
+    assert over.headers["x-decode-clamped"] == "90" and over.json()["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_a_stream_has_usage_only_when_include_usage_asks(version: str, proxy: Any) -> None:
+    standin = VllmStandIn(contract=Contract.load(version))
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (_, client):
+        bare = (await client.post("/v1/chat/completions", json={**body, "stream_options": {}})).text
+        asked = (await client.post("/v1/chat/completions",
+                                   json={**body, "stream_options": {"include_usage": True}})).text
+        metrics = (await client.get("/metrics")).text
+    assert '"usage"' not in bare  # include_usage defaults to false inside stream_options from 0.30 on
+    assert '"usage":{' in asked
+    assert 'decode_proxy:generation_tokens_total{class="interactive"} 6.0' in metrics  # events, then usage
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_a_reasoning_models_thinking_starts_its_stream(version: str, proxy: Any) -> None:
+    """TTFT and ITL run from the first reasoning delta (the client is served from then on), not from the
+    first visible token."""
+    standin = VllmStandIn(contract=Contract.load(version), reasoning_tokens=3)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (_, client):
+        text = (await client.post("/v1/chat/completions", json=body)).text
+        metrics = (await client.get("/metrics")).text
+    assert f'"{standin.contract.reasoning_field}":" r0"' in text and standin.contract.reasoning_field == "reasoning"
+    assert 'decode_proxy:inter_token_latency_seconds_count{class="interactive"} 4.0' in metrics  # 5 events
+    assert 'decode_proxy:generation_tokens_total{class="interactive"} 5.0' in metrics
+
+
+async def test_non_streamed_answers_do_not_count_against_the_ttft_objective(proxy: Any) -> None:
+    standin = VllmStandIn()
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    async with serve_loopback(standin.app()) as url, proxy(CAP, url, engine_kind="vllm") as (_, client):
+        for _ in range(3):
+            assert (await client.post("/v1/chat/completions", json={**body, "stream": True})).status_code == 200
+        for _ in range(2):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert 'decode_proxy:slo_attainment_ratio{class="interactive",objective="ttft"} 1.0' in metrics
+    assert 'decode_proxy:slo_requests_total{class="interactive",objective="ttft",outcome="met"} 3.0' in metrics
+    assert 'decode_proxy:e2e_request_latency_seconds_count{class="interactive"} 5.0' in metrics
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_vllms_api_key_guards_its_prefixes_and_the_proxy_passes_the_key(version: str, proxy: Any) -> None:
+    standin = VllmStandIn(contract=Contract.load(version), api_key="k")
+    policy = {"outputLength": {"maxInputTokens": 100}}  # the prompt count asks vLLM's /tokenize, unguarded
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    async with serve_loopback(standin.app()) as url, proxy(policy, url, engine_kind="vllm") as (_, client):
+        ready = await client.get("/ready")
+        bare = await client.post("/v1/chat/completions", json=body)
+        keyed = await client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        models = await client.get("/v1/models", headers={"Authorization": "Bearer k"})
+    assert ready.status_code == 200  # /health is not under a guarded prefix
+    assert (bare.status_code, bare.json()) == (401, {"error": "Unauthorized"})  # vLLM's own answer, relayed
+    assert keyed.status_code == 200 and models.status_code == 200
+    assert set(standin.contract.guarded_prefixes) == {"/v1", "/v2", "/inference", "/cohere"}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -214,6 +276,6 @@ async def test_a_completion_stream_without_usage_is_counted_by_its_token_events(
         response = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
         metrics = (await client.get("/metrics")).text
     chunks = [e for e in response.text.split("\n\n") if e]
-    assert chunks[-1] == "data: [DONE]" and all('"usage":null' in c for c in chunks[:-1])  # vLLM's whole dumps
+    assert chunks[-1] == "data: [DONE]" and not any('"usage"' in c for c in chunks[:-1])  # compact chunks
     assert standin.received[-1]["max_tokens"] == 4  # defaultMaxTokens injected: vLLM's own default is 16
     assert 'decode_proxy:generation_tokens_total{class="interactive"} 4.0' in metrics

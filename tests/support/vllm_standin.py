@@ -3,19 +3,22 @@
 It is built from a contract record (tests/support/contracts/vllm/<version>.json, written by
 scripts/record_vllm_contract.py from that release's own source), not from what our code expects:
 
-- it serves only routes the record lists, registered unconditionally there (no `/ready`: a GET of a
-  path vLLM lacks is FastAPI's 404 `{"detail":"Not Found"}`, a wrong method its 405);
-- `GET /health` is 200 with an empty body, and once the engine is dead the record's status (503 from
-  0.10 on, FastAPI's plain-text 500 before); while "loading" a real vLLM does not listen at all, so a
-  test starts the stand-in late instead;
-- errors are the record's ErrorResponse: nested `{"error": {...}}` or, before 0.10, flat with
-  `"object": "error"`; a stream that fails mid-way sends `data: <error JSON>` then `[DONE]`;
-- streams are compact JSON chunks: chat opens with a role-only chunk, usage comes as a last
-  `choices: []` chunk only with `stream_options`, `prompt_tokens_details` only when the server was
-  started with --enable-prompt-tokens-details and a prefix hit happened;
-- `/metrics` is prometheus_client's own ASGI app over every `vllm:` metric the record lists for the
-  default (v1) engine with no condition, labelled `model_name` and `engine` as there, plus the
-  process and `http_` series an instrumented FastAPI server has.
+- it serves only routes the record lists as registered for a generative model with no optional flag
+  (no `/ready`: a GET of a path vLLM lacks is FastAPI's 404 `{"detail":"Not Found"}`, a wrong method
+  its 405);
+- `GET /health` is 200 with an empty body, and once the engine is dead the record's status (503); while
+  "loading" a real vLLM does not listen at all, so a test starts the stand-in late instead;
+- errors are the record's ErrorResponse, `{"error": {...}}`; a stream that fails mid-way sends
+  `data: <error JSON>` then `[DONE]`; with `api_key` set, the record's guarded prefixes answer 401
+  `{"error": "Unauthorized"}` without `Authorization: Bearer <key>`;
+- streams are compact JSON chunks (unset fields left out, completion chunks included): chat opens with
+  a role-only chunk, a reasoning model's deltas carry the record's reasoning field, usage comes as a
+  last `choices: []` chunk only when `stream_options.include_usage` asks (its default is the record's),
+  `prompt_tokens_details` only when the server was started with --enable-prompt-tokens-details;
+- a chat's output limit is `max_completion_tokens` whenever it is not null, else `max_tokens`;
+- `/metrics` is prometheus_client's own ASGI app over every `vllm:` metric the record lists with no
+  condition, labelled `model_name` and `engine` as there, with `_created` samples when the record says
+  the release exposes them, plus the `http_` series an instrumented FastAPI server has.
 
 It is test support, not product: nothing under `decodeservice` imports it.
 """
@@ -46,9 +49,12 @@ VERSIONS = tuple(sorted((p.stem for p in CONTRACTS.glob("*.json")), key=lambda v
 LATEST = VERSIONS[-1]
 MODEL = "standin-model"
 # The record's wire facts the stand-in acts out; a release whose record lacks one needs the stand-in reviewed.
-ACTED_FACTS = frozenset({"sse_done", "chunk_json", "completion_chunk_json", "chat_role_chunk",
-                         "usage_needs_stream_options", "usage_chunk", "prompt_tokens_details", "stream_error_event",
-                         "max_tokens_precedence", "listens_once_loaded"})
+ACTED_FACTS = frozenset({"sse_done", "chunk_json", "completion_chunk_compact", "chat_role_chunk",
+                         "usage_only_when_asked", "usage_chunk", "prompt_tokens_details", "stream_error_event",
+                         "max_tokens_precedence", "listens_once_loaded", "api_key_prefixes"})
+# A route registered under this condition is served for a generative model (what the proxy fronts).
+GENERATE = "'generate' in supported_tasks"
+LOGGERS = "vllm/v1/metrics/loggers.py"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,8 +74,8 @@ class Contract:
 
     @cached_property
     def routes(self) -> frozenset[tuple[str, str]]:
-        """(method, path) of every route the release registers whatever its flags and environment."""
-        return frozenset((r["method"], r["path"]) for r in self.data["routes"] if r["condition"] is None)
+        """(method, path) of every route the release registers for a generative model, whatever its flags."""
+        return frozenset((r["method"], r["path"]) for r in self.data["routes"] if r["condition"] in (None, GENERATE))
 
     @cached_property
     def nested_errors(self) -> bool:
@@ -87,11 +93,29 @@ class Contract:
 
     @cached_property
     def metrics(self) -> tuple[dict[str, Any], ...]:
-        """The `vllm:` metrics the default (v1) engine always registers."""
-        return tuple(m for m in self.data["metrics"] if m["engine"] == "v1" and m["condition"] is None)
+        """The `vllm:` metrics the engine always registers."""
+        return tuple(m for m in self.data["metrics"] if m["file"] == LOGGERS and m["condition"] is None)
 
     def has_field(self, model: str, field: str) -> bool:
         return field in self.data["schemas"][model]["fields"]
+
+    @cached_property
+    def reasoning_field(self) -> str:
+        """What a chat delta calls a reasoning model's thinking (`reasoning_content` before 0.30's rename)."""
+        fields = self.data["schemas"]["DeltaMessage"]["fields"]
+        return next(f for f in ("reasoning", "reasoning_content") if f in fields)
+
+    @cached_property
+    def include_usage_default(self) -> bool:
+        return self.data["schemas"]["StreamOptions"]["fields"]["include_usage"].get("default") == "True"
+
+    @cached_property
+    def guarded_prefixes(self) -> tuple[str, ...]:
+        return tuple(self.data["wire"]["api_key_prefixes"]["prefixes"])
+
+    @cached_property
+    def created_series(self) -> bool:
+        return bool(self.data["created_series"]["exposed"])
 
 
 def _dumps(event: dict[str, Any]) -> bytes:
@@ -111,6 +135,8 @@ class VllmStandIn:
     prompt_tokens_details: bool = False  # the server's --enable-prompt-tokens-details
     cached_tokens: int = 0  # the prefix-cache hit the next requests report
     fail_mid_stream_after: int | None = None  # tokens before an in-stream error event
+    reasoning_tokens: int = 0  # a reasoning model: its first chat deltas carry thinking, not content
+    api_key: str | None = None  # the server's --api-key
     kv_cache_usage: float = 0.0
     received: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     requests: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)  # (method, path, status)
@@ -133,6 +159,8 @@ class VllmStandIn:
             if (method, path) not in self.contract.routes:
                 raise AssertionError(f"vLLM {self.contract.version} has no {method} {path}; the stand-in must not")
         app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        if self.api_key is not None:
+            app.add_middleware(_ApiKey, key=self.api_key, prefixes=self.contract.guarded_prefixes)
         app.add_middleware(_Log, log=self.requests)
         return app
 
@@ -192,10 +220,11 @@ class VllmStandIn:
                              "token_strs": None})
 
     def _limit(self, body: dict[str, Any], *, chat: bool) -> int:
-        # vllm/entrypoints/utils.py get_max_tokens: max_completion_tokens when truthy, else max_tokens
-        given = body.get("max_completion_tokens") or body.get("max_tokens")
-        default = None if chat else 16  # CompletionRequest.max_tokens defaults to 16; chat to the context left
-        return min(self.max_model_len, given or default or self.max_model_len)
+        # chat_completion/serving.py: max_completion_tokens whenever it is not null, else max_tokens; a
+        # completion reads max_tokens alone (16 by default); chat's default is the context left
+        mct = body.get("max_completion_tokens") if chat else None
+        given = mct if mct is not None else body.get("max_tokens", None if chat else 16)
+        return min(self.max_model_len, self.max_model_len if given is None else given)
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -213,12 +242,14 @@ class VllmStandIn:
         prompt = 5
         if body.get("stream"):
             options = body.get("stream_options")
-            usage = isinstance(options, dict) and options.get("include_usage", True) is not False
+            usage = isinstance(options, dict) and bool(options.get("include_usage", self.contract.include_usage_default))
             return StreamingResponse(self._stream(n, prompt, chat=chat, usage=usage), media_type="text/event-stream")
-        text = "".join(f" t{i}" for i in range(n))
+        text = "".join(f" t{i}" for i in range(self.reasoning_tokens if chat else 0, n))
+        thought = "".join(f" r{i}" for i in range(min(n, self.reasoning_tokens))) or None
         choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []}, "logprobs": None,
-             "finish_reason": "length", "stop_reason": None} if chat
+            {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                     "audio": None, "function_call": None, self.contract.reasoning_field: thought},
+             "logprobs": None, "finish_reason": "length", "stop_reason": None} if chat
             else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None})
         return JSONResponse({"id": "chatcmpl-standin" if chat else "cmpl-standin",
                              "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -227,7 +258,7 @@ class VllmStandIn:
     def _usage(self, prompt: int, completion: int) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                                  "completion_tokens": completion}
-        if self.prompt_tokens_details and self.cached_tokens:
+        if self.prompt_tokens_details:  # the engine's count, 0 included
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
 
@@ -251,14 +282,16 @@ class VllmStandIn:
                     break
                 finish = "length" if i == n - 1 else None
                 if chat:
-                    choice = {"index": 0, "delta": {"content": f" t{i}"}, "logprobs": None, "finish_reason": finish}
+                    delta = ({self.contract.reasoning_field: f" r{i}"} if i < self.reasoning_tokens
+                             else {"content": f" t{i}"})
+                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                     if finish is not None:
                         choice |= {"stop_reason": None, "token_ids": None}
                     chunk = {**head, "choices": [choice]}
-                else:  # completion chunks are dumped whole (exclude_unset=False), nulls included
+                else:  # compact too: unset fields (usage above all) left out
                     choice = {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": finish,
                               "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
-                    chunk = {**head, "choices": [choice], "usage": None}
+                    chunk = {**head, "choices": [choice]}
                 yield b"data: " + _dumps(chunk) + b"\n\n"
             else:
                 if usage:
@@ -285,8 +318,10 @@ class VllmStandIn:
         # What else a vLLM /metrics carries: the instrumentator's http_ series (the relay must drop them).
         Counter("http_requests", "Total number of requests by method, status and handler.", ["handler"],
                 registry=registry).labels("/v1/chat/completions").inc()
+        if self.contract.created_series:
+            return make_asgi_app(registry=registry)
         exposed = CollectorRegistry(auto_describe=False)
-        exposed.register(_NoCreated(registry))  # vLLM calls prometheus_client.disable_created_metrics()
+        exposed.register(_NoCreated(registry))  # the release calls prometheus_client.disable_created_metrics()
         return make_asgi_app(registry=exposed)
 
 
@@ -306,6 +341,24 @@ def _metrics_mount(app: Any) -> Mount:
     mount = Mount("/metrics", app)
     mount.path_regex = re.compile("^/metrics(?P<path>.*)$")  # as vLLM's mount_metrics: no 307 to /metrics/
     return mount
+
+
+class _ApiKey:
+    """vLLM's AuthenticationMiddleware: the guarded prefixes need the key as a Bearer token."""
+
+    def __init__(self, app: Any, *, key: str, prefixes: tuple[str, ...]) -> None:
+        self.app = app
+        self.key = key
+        self.prefixes = prefixes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(self.prefixes):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or token != self.key:
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Log:
