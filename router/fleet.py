@@ -124,10 +124,12 @@ class Fleet:
             if priority is PriorityClass.BATCH:
                 queued += e.load.waiting[PriorityClass.BATCH]
             estimate = e.model.estimate
+            ahead = e.prefill_tokens_ahead() + queued * self.mean_uncached
             views.append(EndpointView(
-                url=url, hit_tokens=self.index.match(url, keys.blocks) * keys.block_tokens,
-                tokens_ahead=e.prefill_tokens_ahead() + queued * self.mean_uncached,
-                busy=bool(e.inflight) or e.load.running > 0 or queued > 0, kv_usage=e.load.kv_usage,
+                url=url, hit_tokens=self.index.match(url, keys.blocks) * keys.block_tokens, tokens_ahead=ahead,
+                # Streams past their first token do not delay a newcomer's start: the engine batches it
+                # in at once. Only prefill ahead of it (ours, or the proxy's queue) does.
+                busy=ahead > 0, kv_usage=e.load.kv_usage,
                 base_s=estimate.base_s, cost_per_token_s=estimate.cost_per_token_s, observed=estimate.observed > 0,
             ))
         return views

@@ -56,7 +56,7 @@ class EndpointView:
     url: str
     hit_tokens: int  # prompt tokens the index expects cached there
     tokens_ahead: float  # prefill tokens that would run before this request's
-    busy: bool  # something is in flight or queued there
+    busy: bool  # prefill work is ahead of a newcomer there (requests before their first token, or queued)
     kv_usage: float = 0.0  # the engine's KV-cache usage, 0..1 (vllm:kv_cache_usage_perc)
     base_s: float
     cost_per_token_s: float
@@ -120,8 +120,9 @@ def should_shed(views: Sequence[EndpointView], *, prompt_tokens: int, objective_
     """Seconds the best endpoint is predicted to take when every endpoint is predicted over the
     objective, and shedding is warranted; None otherwise.
 
-    As the proxy's admission: a request some endpoint would start at once is never shed (refusing it
-    could make no one faster), nor one whose prediction rests only on the prior (nothing observed).
+    As the proxy's admission: a request some endpoint would start at once (no prefill ahead of it: the
+    engine batches it in with the streams already decoding) is never shed, since refusing it could make
+    no one faster; nor is one whose prediction rests only on the prior (nothing observed yet).
     """
     best = min(predicted_ttft(v, prompt_tokens) for v in views)
     if best <= objective_s:

@@ -1,0 +1,276 @@
+"""Fleet routing on real engines: `decodectl router` against round-robin and pure prefix affinity.
+
+    .venv/bin/python -P benchmarks/routing.py --rounds 2 --out benchmarks/results/routing.json
+
+Two replicas, each `decodectl engine` (one torch thread) behind its own `decodectl proxy`, plus one
+`decodectl router` over the two proxies, all on loopback. The workload: `--conversations`
+multi-turn chats, `--concurrency` at a time, each opening with a shared system prompt and its own
+document of about `--doc-tokens` tokens, then `--turns` questions, each sent with the whole history
+(the assistant's real answers included). The same client sends every policy's requests:
+
+- `router`: to the router, which picks the replica (docs/routing.md);
+- `round_robin`: to the replicas in turn, request by request (what a Service does, near enough);
+- `affinity`: to the replica a hash of the conversation's opening picks (pure prefix affinity).
+
+Each (round, policy) run gets its own system prompt and documents, so no run finds another's prefixes
+cached; the policies run interleaved, rotating the order each round, so each sees the same machine
+load on average. Reported per policy, over every request of every round: TTFT p50/p95 measured by the
+client (send to first content token), the share of prompt tokens the engines served from their
+prefix cache (`usage.prompt_tokens_details.cached_tokens` over `usage.prompt_tokens`), and requests
+lost (anything but a complete 200 stream). The targets: router cached share >= 0.9x affinity's, TTFT
+p50 <= 0.5x round-robin's, p95 <= 0.8x round-robin's, nothing lost. JSON to stdout and `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import platform
+import random
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from decodeservice.bench.procs import ChildServer, decodectl, free_port
+from decodeservice.serving.stats import percentile
+
+POLICIES = ("router", "round_robin", "affinity")
+_WORDS = ("cache routing replica prefix token latency queue engine proxy block model request stream "
+          "service fleet policy tenant scale zero pod cluster memory kernel batch decode prefill tail "
+          "median percentile objective admission shed hold window metric scrape endpoint slice hash "
+          "river mountain garden window letter market harbour station bridge forest island valley "
+          "winter summer morning evening question answer number reason history science music story").split()
+QUESTIONS = ("Summarise the document in one sentence.", "Which word appears most often?",
+             "Name three words from the second half.", "What would you call this document?",
+             "Give one more detail.", "Is anything repeated?")
+
+
+def document(rng: random.Random, tokens: int) -> str:
+    # About 1.3 tokens a word for these words with SmolLM2's tokenizer, so words = tokens / 1.3.
+    words = [rng.choice(_WORDS) for _ in range(int(tokens / 1.3))]
+    return " ".join(words)
+
+
+def conversations(run: str, *, n: int, doc_tokens: int, seed: int) -> list[list[dict[str, str]]]:
+    """Each conversation's opening messages: the run's shared system prompt, then its own document."""
+    rng = random.Random(f"{seed}-{run}")
+    system = (f"Session {run}. You are a careful assistant. Answer questions about the document the user "
+              "gives you, briefly and precisely, quoting it where you can. ") * 2
+    return [[{"role": "system", "content": system},
+             {"role": "user", "content": f"Document {i}:\n{document(rng, doc_tokens)}\n\n{QUESTIONS[0]}"}]
+            for i in range(n)]
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], *,
+                      max_tokens: int) -> dict[str, Any]:
+    """One streamed chat request: its TTFT, answer and usage; `ok` only for a complete 200 stream."""
+    body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    out: dict[str, Any] = {"ok": False, "ttft": None, "text": "", "prompt_tokens": 0, "cached_tokens": 0}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            out["status"] = response.status_code
+            if response.status_code != 200:
+                await response.aread()
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["ok"] = True
+                    break
+                event = json.loads(line[6:])
+                for choice in event.get("choices") or ():
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if out["ttft"] is None:
+                            out["ttft"] = time.perf_counter() - sent
+                        out["text"] += content
+                usage = event.get("usage")
+                if usage:
+                    out["prompt_tokens"] = usage.get("prompt_tokens", 0)
+                    out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    except httpx.HTTPError as exc:
+        out["error"] = type(exc).__name__
+    return out
+
+
+async def run_policy(pick: Callable[[int, list[dict[str, str]]], str], openings: list[list[dict[str, str]]], *,
+                     turns: int, concurrency: int, max_tokens: int) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    todo = list(enumerate(openings))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        async def worker() -> None:
+            while todo:
+                conv, messages = todo.pop(0)
+                messages = list(messages)
+                for turn in range(turns):
+                    result = await stream_chat(client, pick(conv, messages), messages, max_tokens=max_tokens)
+                    records.append({"conversation": conv, "turn": turn, **{k: v for k, v in result.items()
+                                                                           if k != "text"}})
+                    messages += [{"role": "assistant", "content": result["text"] or "(no answer)"},
+                                 {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+    ttfts = [r["ttft"] for r in records if r["ok"] and r["ttft"] is not None]
+    prompt = sum(r["prompt_tokens"] for r in records if r["ok"])
+    cached = sum(r["cached_tokens"] for r in records if r["ok"])
+    return {"requests": len(records), "lost": sum(1 for r in records if not r["ok"]),
+            "ttft_p50_s": round(percentile(ttfts, 50), 4) if ttfts else None,
+            "ttft_p95_s": round(percentile(ttfts, 95), 4) if ttfts else None,
+            "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else None,
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "cached_share": round(cached / prompt, 4) if prompt else None}
+
+
+@contextlib.asynccontextmanager
+async def fleet(args: argparse.Namespace, logs: Path) -> AsyncIterator[tuple[list[str], str]]:
+    """Two engine + proxy replicas and a router over them: the proxies' URLs and the router's."""
+    children: list[ChildServer] = []
+    try:
+        engines, proxies = [], []
+        for i in range(args.replicas):
+            port = free_port()
+            engine = ChildServer(name=f"engine{i}", url=f"http://127.0.0.1:{port}", log_path=logs / f"engine{i}.log",
+                                 argv=decodectl("engine", "--model", args.model, "--port", str(port),
+                                                "--num-threads", str(args.threads), "--kv-cache-gib", "1"))
+            engine.start()
+            children.append(engine)
+            engines.append(engine)
+        for engine in engines:
+            await engine.wait_ready(timeout_s=300)
+        policy = logs / "policy.yaml"
+        policy.write_text(f"slo: {{ttftMs: {args.ttft_ms}}}\n")
+        for i, engine in enumerate(engines):
+            port = free_port()
+            proxy = ChildServer(name=f"proxy{i}", url=f"http://127.0.0.1:{port}", log_path=logs / f"proxy{i}.log",
+                                argv=decodectl("proxy", "--upstream", engine.url, "--port", str(port),
+                                               "--policy", str(policy), "--log-level", "warning"))
+            proxy.start()
+            children.append(proxy)
+            proxies.append(proxy)
+        for proxy in proxies:
+            await proxy.wait_ready(timeout_s=60)
+        port = free_port()
+        router = ChildServer(name="router", url=f"http://127.0.0.1:{port}", log_path=logs / "router.log",
+                             argv=decodectl("router", "--host", "127.0.0.1", "--port", str(port), "--endpoints",
+                                            ",".join(p.url for p in proxies), "--policy", str(policy),
+                                            "--log-level", "warning"))
+        router.start()
+        children.append(router)
+        await router.wait_ready(timeout_s=60)
+        yield [p.url for p in proxies], router.url
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+async def router_decisions(router: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(router + "/metrics")).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "decode_router:decisions_total":
+                out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + s.value
+            elif s.name in ("decode_router:requests_shed_total",) and s.value:
+                out[f"shed_{s.labels['reason']}"] = out.get(f"shed_{s.labels['reason']}", 0) + s.value
+    return out
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="routing-") as tmp:
+        async with fleet(args, Path(tmp)) as (proxies, router):
+            by_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+            per_round: list[dict[str, Any]] = []
+            for rnd in range(args.rounds):
+                order = POLICIES[rnd % 3:] + POLICIES[:rnd % 3]
+                for name in order:
+                    openings = conversations(f"{rnd}-{name}", n=args.conversations, doc_tokens=args.doc_tokens,
+                                             seed=args.seed)
+                    turn_counter = itertools.count()
+
+                    def pick(conv: int, messages: list[dict[str, str]], name: str = name,
+                             counter: itertools.count[int] = turn_counter) -> str:
+                        if name == "router":
+                            return router
+                        if name == "round_robin":
+                            return proxies[next(counter) % len(proxies)]
+                        opening = json.dumps(messages[:2]).encode()
+                        return proxies[int.from_bytes(hashlib.blake2b(opening, digest_size=8).digest()) % len(proxies)]
+
+                    started = time.perf_counter()
+                    records = await run_policy(pick, openings, turns=args.turns, concurrency=args.concurrency,
+                                               max_tokens=args.max_tokens)
+                    by_policy[name] += records
+                    per_round.append({"round": rnd, "policy": name, "wall_s": round(time.perf_counter() - started, 2),
+                                      **summarise(records)})
+                    print(json.dumps(per_round[-1]), flush=True)
+            decisions = await router_decisions(router)
+    summary = {name: summarise(records) for name, records in by_policy.items()}
+    r, rr, aff = summary["router"], summary["round_robin"], summary["affinity"]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    ratios = {"cached_share_router_over_affinity": ratio(r["cached_share"], aff["cached_share"]),
+              "ttft_p50_router_over_round_robin": ratio(r["ttft_p50_s"], rr["ttft_p50_s"]),
+              "ttft_p95_router_over_round_robin": ratio(r["ttft_p95_s"], rr["ttft_p95_s"]),
+              "ttft_p50_affinity_over_round_robin": ratio(aff["ttft_p50_s"], rr["ttft_p50_s"]),
+              "ttft_p95_affinity_over_round_robin": ratio(aff["ttft_p95_s"], rr["ttft_p95_s"])}
+    targets = {"cached_share_ge_0.9x_affinity": (ratios["cached_share_router_over_affinity"] or 0) >= 0.9,
+               "ttft_p50_le_0.5x_round_robin": (ratios["ttft_p50_router_over_round_robin"] or 9) <= 0.5,
+               "ttft_p95_le_0.8x_round_robin": (ratios["ttft_p95_router_over_round_robin"] or 9) <= 0.8,
+               "nothing_lost": r["lost"] == 0}
+    return {"study": "routing", "command": "benchmarks/routing.py " + " ".join(args.argv),
+            "machine": {"cpu": platform.processor() or platform.machine(), "note": args.note},
+            "setup": {"replicas": args.replicas, "threads_per_engine": args.threads, "conversations": args.conversations,
+                      "concurrency": args.concurrency, "turns": args.turns, "doc_tokens": args.doc_tokens,
+                      "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms, "rounds": args.rounds},
+            "policies": summary, "ratios": ratios, "targets_met": targets, "router_decisions": decisions,
+            "per_round": per_round}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--doc-tokens", type=int, default=600)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--ttft-ms", type=float, default=1000.0, help="the policy's slo.ttftMs (router and proxies)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--note", default="", help="free text about the machine's state, stored in the JSON")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    result = asyncio.run(amain(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Router overhead: 64 streams straight to an engine against the same streams through `decodectl router`.
+
+    .venv/bin/python -P benchmarks/routing_overhead.py --out benchmarks/results/routing_overhead_c64.json
+
+The method is `benchmarks/proxy_overhead.py`'s, reused from it: the fake engine is served in the load
+generator's own event loop, the router runs as a subprocess (`--endpoints` the engine; one endpoint,
+so every request still has its prompt keyed, looked up in the index and scored, and its load
+counted), and direct and routed rounds alternate. With at least 2 usable CPUs the client and engine
+share one and the router gets the other, as a router pod would have its own CPU. Reported: the added
+p50 TTFT (target < 1 ms) with the median and quartiles of the per-round differences, the output
+tokens/s lost, and each process's CPU seconds per 1000 output tokens. The prompt is
+`--prompt-chars` characters (about a quarter as many tokens), so the router's hashing of it counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from decodeservice.bench.procs import ChildServer, decodectl, free_port
+from decodeservice.serving.stats import percentile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proxy_overhead import _alternate, _cpu_per_1k, _pinning, _spawned_on, closed_loop
+
+from tests.support.fake_engine import FakeEngine, serve_loopback
+
+
+@contextlib.asynccontextmanager
+async def router(endpoint: str, *, logs: Path, cpus: set[int] | None) -> AsyncIterator[ChildServer]:
+    port = free_port()
+    argv = decodectl("router", "--host", "127.0.0.1", "--port", str(port), "--endpoints", endpoint,
+                     "--log-level", "warning")
+    child = ChildServer(name="router", argv=argv, url=f"http://127.0.0.1:{port}", log_path=logs / "router.log")
+    try:
+        with _spawned_on(cpus):
+            child.start()
+        await child.wait_ready(timeout_s=60.0, path="/health")
+        yield child
+    finally:
+        child.stop()
+
+
+async def _rounds(args: argparse.Namespace, load: dict[str, Any], pins: tuple[set[int], set[int]] | None,
+                  logs: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    engine = FakeEngine(ttft_s=args.ttft_ms / 1000.0, itl_s=args.itl_ms / 1000.0, default_tokens=args.tokens)
+    async with serve_loopback(engine.app()) as engine_url:
+        engine.url = engine_url
+        async with router(engine_url, logs=logs, cpus=None if pins is None else pins[1]) as child:
+            assert child.pid is not None
+            return await _alternate(engine_url, child.url, {"client_and_engine": os.getpid(), "router": child.pid},
+                                    args.rounds, **load)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--itl-ms", type=float, default=10.0)
+    parser.add_argument("--prompt-chars", type=int, default=2400)
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    prompt = ("word " * (args.prompt_chars // 5 + 1))[: args.prompt_chars]
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": args.tokens, "stream": True}
+    load = {"level": closed_loop(args.concurrency), "requests": args.concurrency, "body": body}
+    pins = _pinning(args.pin)
+    with tempfile.TemporaryDirectory() as tmp:
+        if pins is not None:
+            os.sched_setaffinity(0, pins[0])
+        direct, routed = uvloop.run(_rounds(args, load, pins, Path(tmp)))
+
+    def med(rows: list[dict[str, Any]], key: str) -> float:
+        return percentile([float(r[key]) for r in rows], 50)
+
+    paired = [r["ttft_p50_ms"] - d["ttft_p50_ms"] for d, r in zip(direct, routed, strict=True)]
+    d_tps, r_tps = med(direct, "output_tokens_per_s"), med(routed, "output_tokens_per_s")
+    result = {
+        "study": "routing_overhead", "command": "benchmarks/routing_overhead.py " + " ".join(sys.argv[1:]),
+        "config": {"concurrency": args.concurrency, "tokens": args.tokens, "ttft_ms": args.ttft_ms,
+                   "itl_ms": args.itl_ms, "rounds": args.rounds, "prompt_chars": args.prompt_chars,
+                   "engine": "fake engine in the load generator's loop (uvloop)", "endpoints": 1},
+        "pinning": None if pins is None else {"client_and_engine_cpus": sorted(pins[0]), "router_cpus": sorted(pins[1])},
+        "direct": {"ttft_p50_ms": med(direct, "ttft_p50_ms"), "output_tokens_per_s": d_tps},
+        "router": {"ttft_p50_ms": med(routed, "ttft_p50_ms"), "output_tokens_per_s": r_tps},
+        "added_ttft_p50_ms": med(routed, "ttft_p50_ms") - med(direct, "ttft_p50_ms"),
+        "added_ttft_p50_ms_paired": {"median": percentile(paired, 50), "q1": percentile(paired, 25),
+                                     "q3": percentile(paired, 75)},
+        "throughput_loss_pct": 100.0 * (d_tps - r_tps) / d_tps,
+        "cpu_s_per_1k_output_tokens": {"direct": _cpu_per_1k(direct), "router": _cpu_per_1k(routed)},
+        "targets": {"added_ttft_p50_ms": "< 1"},
+        "rounds": {"direct": direct, "router": routed},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
