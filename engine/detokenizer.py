@@ -28,6 +28,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens  # stop strings count only from this many tokens on, as in vLLM
+        self.skip_special = params.skip_special_tokens
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self._emitted: list[str] = []  # the text emitted so far, in pieces
         self._pending = ""  # decoded, not emitted yet
@@ -48,8 +50,8 @@ class IncrementalDetokenizer:
         if len(token_ids) > self._read_offset:
             decode = self.tokenizer.decode
             window = list(token_ids[self._prefix_offset :])
-            known = decode(window[: self._read_offset - self._prefix_offset], skip_special_tokens=True)
-            grown = decode(window, skip_special_tokens=True)
+            known = decode(window[: self._read_offset - self._prefix_offset], skip_special_tokens=self.skip_special)
+            grown = decode(window, skip_special_tokens=self.skip_special)
             if flush or (len(grown) > len(known) and not grown.endswith("\ufffd")):
                 self._pending += grown[len(known) :]
                 self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
@@ -61,7 +63,7 @@ class IncrementalDetokenizer:
             return "", True
         self._decode_new(token_ids, flush=finished)
         pending = self._pending
-        if self.stop:
+        if self.stop and len(token_ids) >= self.min_tokens:
             hits = [(i, s) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0]
             if hits:
                 index, stop = min(hits)

@@ -37,7 +37,7 @@ from decodeservice.engine.quant import (
     resolve_precision,
 )
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
-from decodeservice.engine.sampler import make_generator, sample_token, token_logprob
+from decodeservice.engine.sampler import make_generator, process_logits, sample_token, token_logprob
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, Scheduler
 from decodeservice.engine.sequence import Sequence, SequenceStatus
@@ -206,6 +206,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+        params.check_vocab(self.model_config.vocab_size)
         prompt_ids = (prompt if isinstance(prompt, EncodedPrompt) else self.encode_prompt(prompt)).token_ids
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt_ids, params=params, priority=priority,
                        cache_salt=cache_salt, generator=make_generator(params, self.device))
@@ -246,7 +247,9 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, batch_size=len(self.scheduler.running))
+            # Penalties and min_tokens change each row by the tokens before it: such requests decode plainly.
+            self.spec.propose([s for s in self.scheduler.running if not s.params.processes_logits],
+                              batch_size=len(self.scheduler.running))
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -270,6 +273,10 @@ class Engine:
         if item.num_spec_tokens:  # the decoder settles its drafts: verify, roll back what was rejected
             assert self.spec is not None
             candidates = self.spec.settle(item, rows, row_argmax, kv=self.kv)
+        elif seq.params.processes_logits:
+            row = process_logits(rows[0], seq.params, prompt_token_ids=seq.prompt_token_ids,
+                                 output_token_ids=seq.output_token_ids, eos_token_ids=self.tokenizer.eos_token_ids)
+            candidates = [sample_token(row, seq.params, seq.generator)]
         elif seq.params.greedy and row_argmax is not None:
             candidates = [row_argmax[0]]
         else:
@@ -298,6 +305,8 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        if len(seq.output_token_ids) < params.min_tokens:  # the sampler kept EOS and stop ids out
+            return "length" if seq.num_tokens >= self.max_model_len else None
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:

@@ -1,6 +1,13 @@
-"""Turning logits into tokens. Pure functions over one row at a time, so per-request seeds hold."""
+"""Turning logits into tokens. Pure functions over one row at a time, so per-request seeds hold.
+
+The order, as vLLM's: `process_logits` (allowed ids, min_tokens, repetition, frequency and presence
+penalties) on the raw row, then `target_probs` (temperature, top-k, min_p, top-p); logprobs report the
+raw row, as vLLM's do by default.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -19,8 +26,38 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+def process_logits(logits: torch.Tensor, params: SamplingParams, *, prompt_token_ids: Seq[int],
+                   output_token_ids: Seq[int], eos_token_ids: Seq[int]) -> torch.Tensor:
+    """One row of logits (V,) as this request's history changes it; a new tensor, the input untouched."""
+    out = logits.float()  # a copy for bf16 rows; fp32 rows are cloned below before any write
+    if out is logits:
+        out = logits.clone()
+    vocab = out.shape[-1]
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        keep = out[allowed]
+        out.fill_(float("-inf"))
+        out[allowed] = keep
+    if len(output_token_ids) < params.min_tokens:
+        banned = [t for t in (*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)) if t < vocab]
+        if banned:
+            index = torch.tensor(banned, dtype=torch.long)
+            kept = out[index]
+            out[index] = float("-inf")
+            if not torch.isfinite(out).any():  # allowed_token_ids held only these: nothing left to sample
+                out[index] = kept
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt_token_ids, *output_token_ids}), dtype=torch.long)
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
+        counts = torch.bincount(torch.tensor(list(output_token_ids), dtype=torch.long), minlength=vocab)[:vocab]
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return out
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution the request samples from: temperature, then top-k, then top-p. (.., V) -> (.., V)
+    """The distribution the request samples from: temperature, then top-k, min_p, top-p. (.., V) -> (.., V)
 
     Greedy requests get a one-hot distribution on the argmax, which keeps speculative verification
     and plain sampling on one code path."""
@@ -31,6 +68,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest set whose mass reaches top_p: drop a token once the mass before it does.

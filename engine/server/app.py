@@ -153,12 +153,16 @@ def _stream(aengine: AsyncEngine, prompt: str | EncodedPrompt, params: SamplingP
                 aengine.generate(prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt))
 
 
-def _encode(aengine: AsyncEngine, prompt: str | list[int], *, chat: bool) -> EncodedPrompt:
+def _encode(aengine: AsyncEngine, prompt: str | list[int], *, add_special_tokens: bool,
+            req: CompletionRequest | ChatCompletionRequest) -> EncodedPrompt:
     """The server's edge: the prompt is checked here, once, before the response starts (so bad input
     is a 400, not an error event in a stream); the engine takes the `EncodedPrompt` as it is."""
     try:
-        # A rendered chat template already holds the special tokens.
-        return aengine.encode(prompt, add_special_tokens=not chat)
+        if req.truncate_prompt_tokens is not None:
+            ids = aengine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) \
+                if isinstance(prompt, str) else list(prompt)
+            prompt = req.truncate(ids, aengine.engine.max_model_len)
+        return aengine.encode(prompt, add_special_tokens=add_special_tokens)
     except EngineError as exc:
         raise engine_error(exc) from None
 
@@ -169,7 +173,7 @@ async def completions(request: Request) -> Response:
     state.check_model(req.model)
     prompt = req.single_prompt()
     aengine = state.engine_for_request()
-    encoded = _encode(aengine, prompt, chat=False)
+    encoded = _encode(aengine, prompt, add_special_tokens=True, req=req)
     max_tokens = req.max_tokens or state.settings.default_completion_max_tokens
     gen = _generation(state, aengine, req, encoded, max_tokens=max_tokens, logprobs=req.logprobs, kind="completion")
     return await _respond(request, gen, stream=req.stream, include_usage=req.include_usage,
@@ -182,10 +186,12 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     aengine = state.engine_for_request()
     try:
-        text = aengine.tokenizer.apply_chat_template(req.conversation(), add_generation_prompt=True)
+        text = aengine.tokenizer.apply_chat_template(req.conversation(),
+                                                     add_generation_prompt=req.add_generation_prompt)
     except EngineError as exc:
         raise BadRequest(f"cannot render the chat: {exc}", param="messages", code="invalid_value") from None
-    encoded = _encode(aengine, text, chat=True)
+    # A rendered chat template already holds the special tokens (vLLM's add_special_tokens default).
+    encoded = _encode(aengine, text, add_special_tokens=req.add_special_tokens, req=req)
     # Like vLLM: without a limit, a chat answer may use the rest of the context.
     max_tokens = req.requested_max_tokens or aengine.engine.max_model_len - len(encoded.token_ids)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -199,6 +205,7 @@ def _generation(state: ServerState, aengine: AsyncEngine, req: CompletionRequest
                 max_tokens: int, logprobs: int | None, kind: fmt.Kind) -> Generation:
     try:
         params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        params.check_vocab(aengine.engine.model_config.vocab_size)
     except InvalidRequestError as exc:
         raise engine_error(exc) from None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
