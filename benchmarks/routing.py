@@ -17,7 +17,9 @@ cached; the policies run interleaved, rotating the order each round, so each see
 load on average. Reported per policy, over every request of every round: TTFT p50/p95 measured by the
 client (send to first content token), the share of prompt tokens the engines served from their
 prefix cache (`usage.prompt_tokens_details.cached_tokens` over `usage.prompt_tokens`), and requests
-lost (anything but a complete 200 stream). The targets: router cached share >= 0.9x affinity's, TTFT
+lost (anything but a complete 200 stream once the client's retries are spent: like the `openai` client
+it retries a 429 or 503 after its `Retry-After`, `--retries` times; TTFT then counts from the first
+send, waits included, and the refusals are reported too). The targets: router cached share >= 0.9x affinity's, TTFT
 p50 <= 0.5x round-robin's, p95 <= 0.8x round-robin's, nothing lost. JSON to stdout and `--out`.
 """
 
@@ -70,17 +72,31 @@ def conversations(run: str, *, n: int, doc_tokens: int, seed: int) -> list[list[
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], *,
-                      max_tokens: int) -> dict[str, Any]:
-    """One streamed chat request: its TTFT, answer and usage; `ok` only for a complete 200 stream."""
+                      max_tokens: int, retries: int) -> dict[str, Any]:
+    """One streamed chat request: its TTFT (from the first attempt's send), answer and usage; `ok` only
+    for a complete 200 stream. A 429 or 503 is retried after its `Retry-After` up to `retries` times,
+    as the `openai` client does by default (two retries)."""
+    sent = time.perf_counter()
+    shed = 0
+    while True:
+        out = await _attempt(client, url, messages, max_tokens=max_tokens, sent=sent)
+        if out.get("status") not in (429, 503) or shed >= retries:
+            return out | {"refused": shed}
+        shed += 1
+        await asyncio.sleep(float(out.get("retry_after") or 1))
+
+
+async def _attempt(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], *, max_tokens: int,
+                   sent: float) -> dict[str, Any]:
     body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
     out: dict[str, Any] = {"ok": False, "ttft": None, "text": "", "prompt_tokens": 0, "cached_tokens": 0}
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
             out["status"] = response.status_code
             if response.status_code != 200:
                 await response.aread()
+                out["retry_after"] = response.headers.get("retry-after")
                 return out
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -105,7 +121,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[s
 
 
 async def run_policy(pick: Callable[[int, list[dict[str, str]]], str], openings: list[list[dict[str, str]]], *,
-                     turns: int, concurrency: int, max_tokens: int) -> list[dict[str, Any]]:
+                     turns: int, concurrency: int, max_tokens: int, retries: int) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     todo = list(enumerate(openings))
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
@@ -114,9 +130,10 @@ async def run_policy(pick: Callable[[int, list[dict[str, str]]], str], openings:
                 conv, messages = todo.pop(0)
                 messages = list(messages)
                 for turn in range(turns):
-                    result = await stream_chat(client, pick(conv, messages), messages, max_tokens=max_tokens)
+                    result = await stream_chat(client, pick(conv, messages), messages, max_tokens=max_tokens,
+                                               retries=retries)
                     records.append({"conversation": conv, "turn": turn, **{k: v for k, v in result.items()
-                                                                           if k != "text"}})
+                                                                           if k not in ("text", "retry_after")}})
                     messages += [{"role": "assistant", "content": result["text"] or "(no answer)"},
                                  {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
 
@@ -129,6 +146,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = sum(r["prompt_tokens"] for r in records if r["ok"])
     cached = sum(r["cached_tokens"] for r in records if r["ok"])
     return {"requests": len(records), "lost": sum(1 for r in records if not r["ok"]),
+            "refusals_retried": sum(r["refused"] for r in records),
             "ttft_p50_s": round(percentile(ttfts, 50), 4) if ttfts else None,
             "ttft_p95_s": round(percentile(ttfts, 95), 4) if ttfts else None,
             "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else None,
@@ -216,8 +234,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
                     started = time.perf_counter()
                     records = await run_policy(pick, openings, turns=args.turns, concurrency=args.concurrency,
-                                               max_tokens=args.max_tokens)
-                    by_policy[name] += records
+                                               max_tokens=args.max_tokens, retries=args.retries)
+                    by_policy[name] += [r | {"round": rnd} for r in records]
                     per_round.append({"round": rnd, "policy": name, "wall_s": round(time.perf_counter() - started, 2),
                                       **summarise(records)})
                     print(json.dumps(per_round[-1]), flush=True)
@@ -243,7 +261,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                       "concurrency": args.concurrency, "turns": args.turns, "doc_tokens": args.doc_tokens,
                       "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms, "rounds": args.rounds},
             "policies": summary, "ratios": ratios, "targets_met": targets, "router_decisions": decisions,
-            "per_round": per_round}
+            "per_round": per_round,
+            # Every request: [round, conversation, turn, ttft s, prompt tokens, cached tokens, refusals, ok].
+            "requests": {name: [[r["round"], r["conversation"], r["turn"], None if r["ttft"] is None
+                                 else round(r["ttft"], 4), r["prompt_tokens"], r["cached_tokens"], r["refused"],
+                                 r["ok"]] for r in records] for name, records in by_policy.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -258,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ttft-ms", type=float, default=1000.0, help="the policy's slo.ttftMs (router and proxies)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--retries", type=int, default=2,
+                        help="retries of a 429/503 after its Retry-After (the openai client's default: 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="", help="free text about the machine's state, stored in the JSON")
     parser.add_argument("--out", type=Path)

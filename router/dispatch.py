@@ -172,7 +172,8 @@ class Dispatcher:
                 headers={"Retry-After": str(retry_after_seconds(predicted))}, reason="slo")
         decision = decide(views, prompt_tokens=keys.tokens, conversation=keys.conversation, objective_s=objective)
         url = decision.endpoint
-        handle = self.fleet.dispatched(url, priority=ctx.priority, uncached=max(1, keys.tokens - decision.hit_tokens))
+        handle = self.fleet.dispatched(url, priority=ctx.priority, uncached=max(1, keys.tokens - decision.hit_tokens),
+                                       predicted_ttft_s=decision.predicted_ttft_s)
         request = httpx.Request("POST", url + scope["path"], content=ctx.raw_body,
                                 headers=forward_headers(scope, content_type=b"application/json"),
                                 extensions={"timeout": self.client.timeout.as_dict()})

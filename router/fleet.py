@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 
 import httpx
 
@@ -37,6 +38,7 @@ class InFlight:
     priority: PriorityClass
     tokens: float  # prefill tokens ahead of it at dispatch plus its own uncached ones (the model's x)
     uncached: int
+    first_token_due: float  # time.perf_counter() its first token is predicted at
     prefilling: bool = True
 
 
@@ -49,8 +51,14 @@ class EndpointState:
     model: PrefillModel = dataclasses.field(default_factory=PrefillModel)
     inflight: dict[int, InFlight] = dataclasses.field(default_factory=dict)
 
-    def prefill_tokens_ahead(self) -> float:
-        return sum(r.uncached for r in self.inflight.values() if r.prefilling)
+    def prefill_tokens_ahead(self, now: float) -> float:
+        """The prefill still ahead of a newcomer, in tokens: the engine prefills in arrival order, so it
+        is busy until the last first token now due, and what is left of that time at this endpoint's
+        cost is the work ahead. (Counting every prefilling request's whole prompt would count again the
+        part already done.)"""
+        due = max((r.first_token_due for r in self.inflight.values() if r.prefilling), default=now)
+        estimate = self.model.estimate
+        return max(0.0, due - now - estimate.base_s) / estimate.cost_per_token_s
 
 
 class Fleet:
@@ -115,6 +123,7 @@ class Fleet:
     # -- what a decision reads ------------------------------------------------------------------------
     def views(self, priority: PriorityClass, keys: PromptKeys, *, exclude: frozenset[str] = frozenset(),
               ) -> list[EndpointView]:
+        now = time.perf_counter()
         views = []
         for url, e in self.endpoints.items():
             if not e.ready or url in exclude:
@@ -124,7 +133,7 @@ class Fleet:
             if priority is PriorityClass.BATCH:
                 queued += e.load.waiting[PriorityClass.BATCH]
             estimate = e.model.estimate
-            ahead = e.prefill_tokens_ahead() + queued * self.mean_uncached
+            ahead = e.prefill_tokens_ahead(now) + queued * self.mean_uncached
             views.append(EndpointView(
                 url=url, hit_tokens=self.index.match(url, keys.blocks) * keys.block_tokens, tokens_ahead=ahead,
                 # Streams past their first token do not delay a newcomer's start: the engine batches it
@@ -135,12 +144,13 @@ class Fleet:
         return views
 
     # -- the router's own requests ------------------------------------------------------------------
-    def dispatched(self, url: str, *, priority: PriorityClass, uncached: int) -> int:
+    def dispatched(self, url: str, *, priority: PriorityClass, uncached: int, predicted_ttft_s: float) -> int:
         """Count a request sent to `url`; returns its handle for `first_token` and `finished`."""
         state = self.endpoints[url]
         handle = next(self._ids)
-        state.inflight[handle] = InFlight(priority=priority, tokens=state.prefill_tokens_ahead() + uncached,
-                                          uncached=uncached)
+        now = time.perf_counter()
+        state.inflight[handle] = InFlight(priority=priority, tokens=state.prefill_tokens_ahead(now) + uncached,
+                                          uncached=uncached, first_token_due=now + predicted_ttft_s)
         self.mean_uncached = _MEAN_DECAY * self.mean_uncached + (1 - _MEAN_DECAY) * uncached
         return handle
 

@@ -1,0 +1,57 @@
+"""The fleet's bookkeeping: work ahead on an endpoint, readiness, and what removal forgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from decodeservice.proxy.policy import PriorityClass
+from decodeservice.router.fleet import Fleet
+from decodeservice.router.prefix_index import PrefixIndex
+from decodeservice.router.prompt_keys import prompt_keys
+
+KEYS = prompt_keys({"prompt": list(range(64))}, block_size=16, salt=None)
+
+
+def fleet() -> Fleet:
+    f = Fleet(index=PrefixIndex(max_blocks_per_endpoint=100), scrape_interval_s=1.0)
+    f.update({"http://a": True, "http://b": True})
+    return f
+
+
+def test_work_ahead_is_what_is_left_until_the_last_predicted_first_token() -> None:
+    f = fleet()
+    (a, b) = f.views(PriorityClass.INTERACTIVE, KEYS)
+    assert a.tokens_ahead == b.tokens_ahead == 0 and not a.busy
+    first = f.dispatched("http://a", priority=PriorityClass.INTERACTIVE, uncached=500, predicted_ttft_s=0.52)
+    f.dispatched("http://a", priority=PriorityClass.BATCH, uncached=100, predicted_ttft_s=0.62)
+    a, b = f.views(PriorityClass.INTERACTIVE, KEYS)
+    # The prior: 20 ms + 1 ms a token, so 0.62 s from now is about 600 tokens of prefill ahead.
+    assert a.tokens_ahead == pytest.approx(600, abs=5) and a.busy
+    assert b.tokens_ahead == 0
+    f.first_token("http://a", first, ttft_s=0.5)
+    f.finished("http://a", first)
+    assert f.endpoints["http://a"].model.observed == 1
+
+
+def test_unready_and_removed_endpoints_are_not_routed_to() -> None:
+    f = fleet()
+    f.index.record("http://a", KEYS.blocks)
+    f.mark_unready("http://a")
+    assert [v.url for v in f.views(PriorityClass.INTERACTIVE, KEYS)] == ["http://b"]
+    f.update({"http://b": True})  # a's pod is gone: its index goes with it
+    assert f.index.size("http://a") == 0 and list(f.endpoints) == ["http://b"]
+    f.update({"http://b": True, "http://a": None})  # back, probed by us, unready until probed
+    assert f.ready_urls() == ["http://b"]
+
+
+def test_a_new_endpoint_starts_from_what_its_peers_learned() -> None:
+    f = fleet()
+    for _ in range(50):
+        handle = f.dispatched("http://a", priority=PriorityClass.INTERACTIVE, uncached=400, predicted_ttft_s=0.1)
+        f.first_token("http://a", handle, ttft_s=2.0)
+        f.finished("http://a", handle)
+    f.update({"http://a": True, "http://b": True, "http://c": True})
+    learned = f.endpoints["http://a"].model.estimate
+    fresh = f.endpoints["http://c"].model.estimate
+    assert fresh.observed == 0
+    assert fresh.base_s + 400 * fresh.cost_per_token_s == pytest.approx(learned.base_s + 400 * learned.cost_per_token_s)
