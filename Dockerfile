@@ -22,6 +22,7 @@ COPY serving serving
 COPY operator operator
 COPY cli cli
 COPY bench bench
+COPY monitoring monitoring
 COPY router router
 RUN pip install ".[hf]"
 

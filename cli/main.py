@@ -16,7 +16,7 @@ from decodeservice.cli.common import HelpFormatter, UsageError, configure_loggin
 
 __all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main", "version"]
 
-SUBCOMMANDS = ("engine", "proxy", "router", "operator", "bench", "demo", "render", "up", "models")
+SUBCOMMANDS = ("engine", "proxy", "router", "operator", "bench", "demo", "render", "up", "models", "dashboard")
 PARSER_KEY = "_parser"  # each (sub)command parser stores itself here, so errors can print its usage
 
 DESCRIPTION = """\

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import urllib.parse
 from typing import Any
 
 from decodeservice.cli.common import add_seconds_option, subcommand_kwargs
@@ -20,6 +21,9 @@ def register(subparsers: Any) -> None:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (default)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics", metavar="URL", default=None,
+                        help="serve each DecodeService's replicas, autoscaler signal and cold start as Prometheus "
+                        "metrics, e.g. http://0.0.0.0:8081/metrics")
     parser.add_argument("--image", default=None, help="image of the proxy, the init container and CPU engines "
                         "(CPU torch; default: built-in)")
     parser.add_argument("--cuda-image", default=None, help="image of builtin engines with resources.gpus > 0 "
@@ -54,8 +58,25 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.liveness is not None and not args.liveness.startswith(("http://", "https://")):
         raise UsageError(f"--liveness must be an http(s) URL, got {args.liveness!r}")
+    metrics = _metrics_address(args.metrics) if args.metrics is not None else None
     kopf.configure(verbose=args.verbose)
+    registry = build_registry(config)
+    if metrics is not None:
+        from decodeservice.operator.metrics import install
+
+        install(registry, host=metrics[0], port=metrics[1])
     # Standalone: one operator replica (the chart runs exactly one), so no kopf peering objects are needed.
-    kopf.run(registry=build_registry(config), standalone=True, clusterwide=not args.namespace,
+    kopf.run(registry=registry, standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0
+
+
+def _metrics_address(url: str) -> tuple[str, int]:
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None or parsed.path not in ("", "/metrics"):
+        raise UsageError(f"--metrics must look like http://HOST:PORT/metrics, got {url!r}")
+    return parsed.hostname, port

@@ -27,6 +27,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Module (or package prefix) -> the extra that declares its imports beyond the core.
 OWNERS = {
     "decodeservice.bench.report": "bench",  # matplotlib, only in plot()
+    "decodeservice.monitoring.png": "bench",  # matplotlib, only in draw()
     "decodeservice.bench.kube_emulator": "test",  # kmock: tests and benchmarks only
     "decodeservice.operator.engines": "hf",  # huggingface_hub, in the init container's download script
 }

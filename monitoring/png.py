@@ -1,0 +1,109 @@
+"""The dashboard's main panels drawn to a PNG from Prometheus, without Grafana (`decodectl dashboard`).
+
+The queries are the Grafana dashboard's own (monitoring/panels.py) with its variables filled in, so the
+picture and the dashboard agree. matplotlib comes with the `bench` extra and is imported only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from decodeservice.monitoring.panels import MAIN_PANELS, Panel, Unit, expand
+from decodeservice.monitoring.prometheus import PrometheusClient, Series, TimeRange
+
+_PLACEHOLDER = re.compile(r"\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}")
+_MAX_LINES = 12  # a panel with more series keeps the first ones (sorted by legend) and says so
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PanelData:
+    panel: Panel
+    lines: tuple[tuple[str, Series], ...]  # (legend, series)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class View:
+    """What to draw: which services, over which window."""
+
+    window: TimeRange
+    namespace: str = ".+"
+    service: str = ".+"
+
+    @property
+    def rate_interval(self) -> str:
+        # Grafana's $__rate_interval is at least four scrape intervals; step-based here, never under 1m of
+        # a 15s scrape, so a rate always has samples to work with.
+        return f"{max(60, int(self.window.step * 4))}s"
+
+
+def legend(fmt: str, labels: dict[str, str]) -> str:
+    return _PLACEHOLDER.sub(lambda m: labels.get(m.group(1), ""), fmt).strip()
+
+
+def fetch(client: PrometheusClient, view: View, panels: Sequence[Panel] = MAIN_PANELS) -> list[PanelData]:
+    out = []
+    for panel in panels:
+        lines: list[tuple[str, Series]] = []
+        for query in panel.queries:
+            expr = expand(query.expr, namespace=view.namespace, service=view.service,
+                          rate_interval=view.rate_interval)
+            lines += [(legend(query.legend, s.labels), s) for s in client.query_range(expr, view.window)
+                      if s.has_numbers()]
+        out.append(PanelData(panel=panel, lines=tuple(sorted(lines, key=lambda line: line[0]))))
+    return out
+
+
+def _scale(unit: Unit) -> tuple[float, str]:
+    return {Unit.RATIO: (100.0, "%"), Unit.SECONDS: (1000.0, "ms"), Unit.PER_SECOND: (1.0, "req/s")}.get(
+        unit, (1.0, ""))
+
+
+def draw(data: Sequence[PanelData], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    cols = 3
+    rows = math.ceil(len(data) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 3.8 * rows), squeeze=False)
+    for ax, item in zip(axes.flat, data, strict=False):
+        factor, suffix = _scale(item.panel.unit)
+        ax.set_title(item.panel.title, fontsize=11, loc="left")
+        shown = item.lines[:_MAX_LINES]
+        for name, series in shown:
+            times = [datetime.datetime.fromtimestamp(t) for t in series.times]
+            ax.plot(times, [v * factor for v in series.values], label=name, linewidth=1.3)
+        if not shown:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+        else:
+            more = f" (+{len(item.lines) - len(shown)} more)" if len(item.lines) > len(shown) else ""
+            ax.legend(fontsize=7, loc="upper left", title=more or None, title_fontsize=7)
+        if item.panel.unit is Unit.RATIO:
+            ax.set_ylim(0, 105)
+        ax.set_ylabel(suffix)
+        locator = mdates.AutoDateLocator(maxticks=6)  # type: ignore[no-untyped-call]
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(data):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=13)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def render(client: PrometheusClient, view: View, path: Path) -> list[PanelData]:
+    """Query every main panel and write the PNG; returns what was drawn."""
+    data = fetch(client, view)
+    start = datetime.datetime.fromtimestamp(view.window.start).strftime("%Y-%m-%d %H:%M")
+    who = "every DecodeService" if view.service == ".+" else view.service
+    draw(data, path, title=f"DecodeService: {who}, from {start} ({int(view.window.end - view.window.start)} s)")
+    return data
