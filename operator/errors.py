@@ -21,6 +21,13 @@ class InvalidSpecError(OperatorError, ValueError):
     reason = "InvalidSpec"
 
 
+class InvalidRoutingError(InvalidSpecError):
+    """spec.routing and spec.autoscaling that cannot serve together (minReplicas 0 without a router that
+    holds requests, or without an autoscaler that starts a replica)."""
+
+    reason = "InvalidRouting"
+
+
 class ChildConflictError(OperatorError):
     """A child object with our name exists and is controlled by some other owner."""
 

@@ -15,6 +15,7 @@ from typing import Any
 import kopf
 
 from decodeservice.operator.autoscaler.controller import Autoscaling, AutoscalingConfig, settings_for
+from decodeservice.operator.cold_start import cold_start
 from decodeservice.operator.errors import (
     ApiError,
     ChildConflictError,
@@ -25,7 +26,8 @@ from decodeservice.operator.kube import KINDS, KubeClient
 from decodeservice.operator.kube import login as kube_login
 from decodeservice.operator.manifests import BuildOptions, build_children, desired_replicas, serving_selector
 from decodeservice.operator.reconcile import apply_children
-from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, validate_spec
+from decodeservice.operator.router import routed
+from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, ValidatedSpec, validate_spec
 from decodeservice.operator.status import derive_status, invalid_status, workload_state
 
 ANNOTATION_PREFIX = "decode.dev"
@@ -114,10 +116,24 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                         *, permanent_on_invalid: bool) -> None:
         # Serialized with the autoscaler's writes: the replicas it reads below are the ones it applies.
         async with autoscaling.lock(str(body.metadata.uid)):
-            await _reconcile(body, patch, retry, logger, permanent_on_invalid=permanent_on_invalid)
+            v = await _reconcile(body, patch, retry, logger, permanent_on_invalid=permanent_on_invalid)
+        # In builtin mode each tick lists the pods anyway and writes status.coldStart itself.
+        if v is not None and v.spec.autoscaling.mode is not AutoscalingMode.BUILTIN:
+            await _cold_start(v, body, patch, logger)
+
+    async def _cold_start(v: ValidatedSpec, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
+        name, namespace = str(body.metadata.name), str(body.metadata.namespace)
+        try:
+            cold = cold_start(await session.get().list_pods(namespace, serving_selector(name, v)))
+        except ApiError as exc:  # the figure is a courtesy: the rest of the status still goes out
+            logger.debug(f"pods not listed for status.coldStart: {exc}")
+            return
+        if cold is not None:
+            patch["status"]["coldStart"] = cold
 
     async def _reconcile(body: kopf.Body, patch: kopf.Patch, retry: int, logger: kopf.Logger,
-                         *, permanent_on_invalid: bool) -> None:
+                         *, permanent_on_invalid: bool) -> ValidatedSpec | None:
+        """Apply the children and derive the status; the spec it served, None where it served none."""
         name, namespace = str(body.metadata.name), str(body.metadata.namespace)
         generation = int(body.metadata.get("generation") or 0)
         previous = dict(body.get("status") or {})
@@ -133,7 +149,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                                              message=str(exc), previous=previous)
             if permanent_on_invalid:
                 raise kopf.PermanentError(f"{exc.reason}: {exc}") from exc
-            return
+            return None
         except ApiError as exc:  # reading the live replicas (builtin mode): retry, never guess them
             delay = config.backoff(retry)
             logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
@@ -164,14 +180,17 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             logger.warning(f"API error, retrying in {delay:.1f}s: {exc}")
             raise kopf.TemporaryError(str(exc), delay=delay) from exc
         pool = applied.inference_pool
+        scaling = v.spec.autoscaling
         patch["status"] = derive_status(
             name=name, namespace=namespace, generation=generation,
             desired_replicas=desired_replicas(v) if replicas is None else replicas,
             workload=workload_state(applied.workload, kind=str(children.workload["kind"])),
             selector=serving_selector(name, v), slo_percentile=v.policy.slo.percentile, previous=previous,
-            slo=autoscaling.latest_slo(str(body.metadata.uid)))
+            slo=autoscaling.latest_slo(str(body.metadata.uid)),
+            holds_at_zero=routed(v) and scaling.mode is not AutoscalingMode.OFF and scaling.min_replicas == 0)
         if pool.enabled:  # InferencePoolReady, only while spec.routing.inferencePool is on
             patch["status"]["conditions"].append(pool.condition(generation=generation, previous=previous))
+        return v
 
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)

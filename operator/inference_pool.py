@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from decodeservice.operator.engines import PROXY_PORT
+from decodeservice.operator.routing_spec import RoutingMode
 from decodeservice.operator.spec import ValidatedSpec
 
 API_VERSION = "inference.networking.k8s.io/v1"
@@ -30,7 +31,8 @@ ENGINE_TYPE = "vllm"
 
 
 def enabled(v: ValidatedSpec) -> bool:
-    return v.spec.routing.inference_pool.enabled
+    """routing.mode inferencePool, or its older spelling inferencePool.enabled (spec.routing_mode decides)."""
+    return v.routing is RoutingMode.INFERENCE_POOL
 
 
 def pod_labels(v: ValidatedSpec) -> dict[str, str]:
@@ -41,9 +43,9 @@ def pod_labels(v: ValidatedSpec) -> dict[str, str]:
 def build_inference_pool(*, name: str, namespace: str, v: ValidatedSpec, labels: dict[str, str],
                          selector: dict[str, str]) -> dict[str, Any] | None:
     pool = v.spec.routing.inference_pool
-    if not pool.enabled:
+    if not enabled(v):
         return None
-    # validate_spec guarantees the reference when the pool is enabled (a CEL rule and its Python twin).
+    # validate_spec guarantees the reference in this mode (routing_spec.routing_mode, and a CEL rule).
     assert pool.endpoint_picker_ref is not None
     return {
         "apiVersion": API_VERSION, "kind": "InferencePool",

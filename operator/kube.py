@@ -60,6 +60,10 @@ KINDS: dict[str, Kind] = {
     "PodDisruptionBudget": Kind(api_version="policy/v1", plural="poddisruptionbudgets"),
     "InferencePool": Kind(api_version="inference.networking.k8s.io/v1", plural="inferencepools"),
     "LeaderWorkerSet": Kind(api_version="leaderworkerset.x-k8s.io/v1", plural="leaderworkersets"),
+    # routing mode router: the router's identity and its EndpointSlice reader Role (operator/router.py).
+    "ServiceAccount": Kind(api_version="v1", plural="serviceaccounts"),
+    "Role": Kind(api_version="rbac.authorization.k8s.io/v1", plural="roles"),
+    "RoleBinding": Kind(api_version="rbac.authorization.k8s.io/v1", plural="rolebindings"),
 }
 
 

@@ -35,6 +35,7 @@ from decodeservice.operator.leader_worker_set import (
     worker_pod_spec,
 )
 from decodeservice.operator.podspec import dump
+from decodeservice.operator.router import RouterChildren, build_router, routed, router_selector
 from decodeservice.operator.spec import AutoscalingMode, EngineKind, ValidatedSpec, validate_spec
 
 # Two builds of one Dockerfile (TORCH_VARIANT): CPU torch for the proxy, the init container and CPU
@@ -111,10 +112,12 @@ class Children:
     config_map: dict[str, Any]
     pdb: dict[str, Any] | None
     inference_pool: dict[str, Any] | None = None
+    router: RouterChildren | None = None  # routing mode router: the router in front of the pods
 
     def all(self) -> list[dict[str, Any]]:
         objs = [self.config_map, self.service, self.workload]
-        return objs + [o for o in (self.pdb, self.inference_pool) if o is not None]
+        routing = self.router.all() if self.router is not None else []
+        return objs + [o for o in (self.pdb, self.inference_pool) if o is not None] + routing
 
     @property
     def deployment(self) -> dict[str, Any]:
@@ -173,6 +176,8 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
     # vLLM has no /ready; its /health answers once the model is loaded. Ours splits the two.
     ready_path = "/health" if vllm else "/ready"
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, *plan.mounts]
+    if shared_kernel_cache(plan):  # writable, unlike the model files beside it
+        mounts.append({"name": "model-cache", "mountPath": SHARED_KERNEL_CACHE_DIR, "subPath": SHARED_KERNEL_SUBPATH})
     if vllm:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     requests = {"cpu": res.cpu, "memory": res.memory}
@@ -183,7 +188,7 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
         "name": "engine", "image": image, "imagePullPolicy": opts.image_pull_policy,
         "command": command, "args": args,
         "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _cache_env() + dump(engine.env),
+        "env": _cache_env(plan) + dump(engine.env),
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": _probe("/health", "engine", period=5, failures=360),  # model loads may take 30 min
         "readinessProbe": _probe(ready_path, "engine", period=5, failures=3),
@@ -205,9 +210,28 @@ def engine_image(v: ValidatedSpec, opts: BuildOptions) -> str:
     return opts.cuda_image if v.spec.resources.gpus > 0 else opts.image
 
 
-def _cache_env() -> list[dict[str, str]]:
+# The engine's kernel choices and native kernels (engine/quant/kernel_plan.py, engine/attention/context_plan.py,
+# engine/cpp_extensions.py), keyed by the CPU's identity (model, ISA flags, threads, torch): by default in
+# the cache emptyDir, which outlives a container restart; on the model-cache PVC where there is one, so a
+# second replica on the same machine type starts without measuring again.
+KERNEL_CACHE_ENV = "DECODESERVICE_KERNEL_CACHE"
+SHARED_KERNEL_CACHE_DIR = "/kernel-cache"
+SHARED_KERNEL_SUBPATH = "decodeservice-kernels"
+
+
+def shared_kernel_cache(plan: ModelPlan) -> bool:
+    """True where the model cache is a PVC the pods share (spec.model.cache.claimName)."""
+    return any(vol["name"] == "model-cache" and "persistentVolumeClaim" in vol for vol in plan.volumes)
+
+
+def _kernel_cache_dir(plan: ModelPlan) -> str:
+    return SHARED_KERNEL_CACHE_DIR if shared_kernel_cache(plan) else f"{CACHE_DIR}/kernels"
+
+
+def _cache_env(plan: ModelPlan) -> list[dict[str, str]]:
     # The root filesystem is read-only: every tool that caches must write under the emptyDirs.
     return [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+            {"name": KERNEL_CACHE_ENV, "value": _kernel_cache_dir(plan)},
             {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
             # spec.engine.compile: the emptyDir outlives a container restart, so a restarted engine loads
@@ -243,7 +267,7 @@ def _init_container(v: ValidatedSpec, plan: ModelPlan, opts: BuildOptions) -> di
         return None
     # One shell-free chain: each download is its own argv, run by Python's subprocess in order.
     runner = "import subprocess, sys, json\nfor cmd in json.loads(sys.argv[1]):\n    subprocess.run(cmd, check=True)\n"
-    env: list[dict[str, Any]] = [*_cache_env()]
+    env: list[dict[str, Any]] = [*_cache_env(plan)]
     token = v.spec.model.token_secret
     if token is not None:  # gated models: the download authenticates; the engine reads local files only
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
@@ -313,9 +337,17 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
     else:
         workload = _deployment(name, namespace, v, labels=labels, replicas=replicas, template=template)
     serving = serving_selector(name, v)
+    router = None
+    if routed(v):
+        router = build_router(name=name, namespace=namespace, v=v, serving=serving, image=opts.image,
+                              image_pull_policy=opts.image_pull_policy, policy_config_map=f"{name}-policy",
+                              policy_dir=POLICY_DIR, pod_security=POD_SECURITY, container_security=CONTAINER_SECURITY,
+                              drain_seconds=opts.drain_seconds, managed_by=MANAGED_BY,
+                              annotations={POLICY_HASH_ANNOTATION: policy_hash})
     service = {
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, labels),
-        "spec": {"type": "ClusterIP", "selector": serving,
+        # The name users call: the routers when routing is on (they reach the pods through NAME-pods).
+        "spec": {"type": "ClusterIP", "selector": router_selector(name) if routed(v) else serving,
                  "ports": [{"name": "http", "port": PROXY_PORT, "targetPort": "http", "protocol": "TCP"}]},
     }
     pdb = None
@@ -328,7 +360,8 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, labels),
                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
     pool = build_inference_pool(name=name, namespace=namespace, v=v, labels=labels, selector=serving)
-    return Children(workload=workload, service=service, config_map=config_map, pdb=pdb, inference_pool=pool)
+    return Children(workload=workload, service=service, config_map=config_map, pdb=pdb, inference_pool=pool,
+                    router=router)
 
 
 def _deployment(name: str, namespace: str, v: ValidatedSpec, *, labels: dict[str, str], replicas: int,

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from decodeservice.serving.camel_model import CamelModel
 
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"

@@ -32,6 +32,7 @@ from typing import Any
 from decodeservice.operator.errors import ApiError, ChildConflictError, WorkloadUnavailableError
 from decodeservice.operator.kube import FIELD_MANAGER, KINDS, KubeClient, kind_of
 from decodeservice.operator.manifests import Children
+from decodeservice.operator.router import pods_service_name, router_name
 from decodeservice.operator.status import _conditions, now_iso
 
 APPLIED_HASH = "decode.dev/applied-hash"
@@ -148,7 +149,7 @@ async def _apply_pool(client: KubeClient, children: Children, *, owner_uid: str,
             live = None  # no CRD, or a chart from before the pool existed (no RBAC): nothing of ours there
         if live is not None and _controller_uid(live) == owner_uid:
             await client.delete(kind, namespace, name)
-        return PoolOutcome(enabled=False, applied=False, reason="Disabled", message="spec.routing.inferencePool is off")
+        return PoolOutcome(enabled=False, applied=False, reason="Disabled", message="spec.routing.mode is not inferencePool")
     try:
         await apply_child(client, children.inference_pool, owner_uid=owner_uid)
     except ApiError as exc:
@@ -166,6 +167,37 @@ async def _apply_pool(client: KubeClient, children: Children, *, owner_uid: str,
 
 
 LWS_API = "leaderworkersets.leaderworkerset.x-k8s.io"
+# Deleted in this order; the ServiceAccount, applied first and deleted last, says whether any is left.
+ROUTER_CHILDREN = (("Deployment", router_name), ("PodDisruptionBudget", router_name), ("Service", pods_service_name),
+                   ("RoleBinding", router_name), ("Role", router_name), ("ServiceAccount", router_name))
+
+
+async def _delete_router(client: KubeClient, namespace: str, name: str, *, owner_uid: str) -> None:
+    """The router's children, once routing left mode router; one read when there are none (the common case)."""
+    try:
+        account = await client.get(KINDS["ServiceAccount"], namespace, router_name(name))
+    except ApiError as exc:
+        if exc.status not in (403, 404):
+            raise
+        return  # a chart from before the router (no RBAC for ServiceAccounts): it never made one
+    if account is None or _controller_uid(account) != owner_uid:
+        return
+    for kind, child in ROUTER_CHILDREN:
+        await _delete_ours(client, kind, namespace, child(name), owner_uid=owner_uid)
+
+
+async def _delete_ours(client: KubeClient, kind_name: str, namespace: str, name: str, *, owner_uid: str) -> None:
+    """Delete a child we no longer render, if it is ours; one we may not read (a chart from before its
+    kind was ours to write) is taken as absent."""
+    kind = KINDS[kind_name]
+    try:
+        live = await client.get(kind, namespace, name)
+    except ApiError as exc:
+        if exc.status not in (403, 404):
+            raise
+        return
+    if live is not None and _controller_uid(live) == owner_uid:
+        await client.delete(kind, namespace, name)
 
 
 async def _apply_workload(client: KubeClient, children: Children, *, owner_uid: str, namespace: str,
@@ -205,14 +237,16 @@ async def apply_children(client: KubeClient, children: Children, *, owner_uid: s
     new policy; the workload next, so that the Service selects its pods only once they can exist."""
     await apply_child(client, children.config_map, owner_uid=owner_uid)
     workload = await _apply_workload(client, children, owner_uid=owner_uid, namespace=namespace, name=name)
+    # The Service last of these: when routing turns on, it selects the routers only once they exist.
+    later = (children.config_map, children.workload, children.inference_pool, children.service)
     for obj in children.all():
-        if obj is children.config_map or obj is children.workload or obj is children.inference_pool:
+        if any(obj is o for o in later):
             continue  # applied above; the pool last, and only where its CRD is installed
         await apply_child(client, obj, owner_uid=owner_uid)
+    await apply_child(client, children.service, owner_uid=owner_uid)
     if children.pdb is None:
-        pdb_kind = KINDS["PodDisruptionBudget"]
-        live_pdb = await client.get(pdb_kind, namespace, name)
-        if live_pdb is not None and _controller_uid(live_pdb) == owner_uid:
-            await client.delete(pdb_kind, namespace, name)
+        await _delete_ours(client, "PodDisruptionBudget", namespace, name, owner_uid=owner_uid)
+    if children.router is None:  # routing left mode router: its children go, the Service already points away
+        await _delete_router(client, namespace, name, owner_uid=owner_uid)
     pool = await _apply_pool(client, children, owner_uid=owner_uid, namespace=namespace, name=name)
     return Applied(workload=workload, inference_pool=pool)

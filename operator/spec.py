@@ -30,7 +30,15 @@ from decodeservice.operator.cel_rules import CEL_RULES as CEL_RULES  # re-export
 from decodeservice.operator.engine_knobs import EngineKnobs, KVCacheDtype, Quantization, SpeculativeKnobs
 from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
 from decodeservice.operator.errors import InvalidSpecError
-from decodeservice.operator.podspec import DNS_SUBDOMAIN, EnvFromSource, EnvVar, PodSpec, TokenSecret
+from decodeservice.operator.podspec import (
+    DNS_SUBDOMAIN,
+    QUANTITY_PATTERN,
+    EnvFromSource,
+    EnvVar,
+    PodSpec,
+    TokenSecret,
+)
+from decodeservice.operator.routing_spec import RoutingMode, RoutingSpec, routing_mode
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
 from decodeservice.serving.camel_model import CamelModel
@@ -66,9 +74,6 @@ class AutoscalingMode(enum.StrEnum):
     OFF = "off"
     BUILTIN = "builtin"
     EXTERNAL = "external"
-
-
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 
 
 class ModelCacheSpec(_Model):
@@ -133,6 +138,9 @@ class AutoscalingSpec(_Model):
     max_replicas: int = Field(1, ge=1, le=1000)
     target_inflight_per_replica: int = Field(16, ge=1)
     scale_down_delay_seconds: int = Field(300, ge=0)
+    # With minReplicas 0: seconds without a request at the router before the builtin autoscaler scales
+    # to zero (the router's decode_router:last_request_timestamp_seconds).
+    idle_seconds: int = Field(300, ge=1, le=86400)
     # The builtin autoscaler's knobs. None: the operator's default (intervalSeconds) or the decision
     # side's own default (the rest), so each default has one source: AutoscalerSettings.
     interval_seconds: float | None = Field(None, ge=0.1, le=300)
@@ -142,33 +150,6 @@ class AutoscalingSpec(_Model):
     scale_down_threshold: float | None = Field(None, gt=0, le=10)
     kv_usage_threshold: float | None = Field(None, gt=0, le=1)
     waiting_threshold: float | None = Field(None, gt=0)
-
-
-class PortRef(_Model):
-    number: int = Field(ge=1, le=65535)
-
-
-class EndpointPickerFailureMode(enum.StrEnum):
-    FAIL_OPEN = "FailOpen"
-    FAIL_CLOSE = "FailClose"
-
-
-# The upstream InferencePool's endpointPickerRef, field for field, so it is copied into the pool as given.
-class EndpointPickerRef(_Model):
-    group: str = Field("", max_length=253, pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-    kind: str = Field("Service", min_length=1, max_length=63, pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
-    name: str = Field(min_length=1, max_length=253)
-    port: PortRef | None = None
-    failure_mode: EndpointPickerFailureMode = EndpointPickerFailureMode.FAIL_CLOSE
-
-
-class InferencePoolSpec(_Model):
-    enabled: bool = False
-    endpoint_picker_ref: EndpointPickerRef | None = None
-
-
-class RoutingSpec(_Model):
-    inference_pool: InferencePoolSpec = Field(default_factory=lambda: InferencePoolSpec.model_validate({}))
 
 
 class RolloutSpec(_Model):
@@ -231,6 +212,7 @@ class ValidatedSpec:
     draft: ModelSource | None
     policy: Policy
     served_name: str
+    routing: RoutingMode
 
 
 def _format(exc: ValidationError) -> str:
@@ -276,12 +258,16 @@ def validate_spec(raw: Mapping[str, Any] | None) -> ValidatedSpec:
     if speculative.draft_model is not None:
         draft = parse_model_uri(speculative.draft_model, field="engine.speculative.draftModel")
     _check_engine(spec, model=model, draft=draft)
+    routing = routing_mode(spec.routing, min_replicas=spec.autoscaling.min_replicas,
+                           max_replicas=spec.autoscaling.max_replicas,
+                           autoscaled=spec.autoscaling.mode is not AutoscalingMode.OFF)
     served = spec.model.served_name or model.name.rstrip("/").rsplit("/", 1)[-1]
-    return ValidatedSpec(spec=spec, model=model, draft=draft, policy=policy, served_name=served)
+    return ValidatedSpec(spec=spec, model=model, draft=draft, policy=policy, served_name=served, routing=routing)
 
 
 # Set by the operator on the engine container (manifests._cache_env): spec.engine.env may not shadow them.
-OPERATOR_ENV = ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+OPERATOR_ENV = ("HOME", "XDG_CACHE_HOME", "DECODESERVICE_KERNEL_CACHE", "HF_HOME", "TRITON_CACHE_DIR",
+                "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _check_sources(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSource | None) -> None:

@@ -152,13 +152,16 @@ def with_condition(previous: Mapping[str, Any] | None, kind: str, value: tuple[s
 def derive_status(*, name: str, namespace: str, generation: int, desired_replicas: int,
                   workload: WorkloadState, selector: Mapping[str, str], slo_percentile: float,
                   previous: Mapping[str, Any] | None, now: str | None = None,
-                  slo: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  slo: Mapping[str, Any] | None = None, holds_at_zero: bool = False) -> dict[str, Any]:
     """`selector`: the serving pods (manifests.serving_selector); `slo`: the autoscaler's latest status.slo
-    when it has one, fresher than `previous`'s copy."""
+    when it has one, fresher than `previous`'s copy; `holds_at_zero`: a router holds requests while no replica runs, and an autoscaler starts one for them,
+    so zero replicas is a state that serves (slowly), not an outage."""
     w = workload
     unit = "replicas" if w.kind == "Deployment" else "replicas (pod groups)"
     if not w.exists:
         ready_c = ("False", f"{w.kind}Missing", f"the {w.kind} does not exist yet")
+    elif desired_replicas == 0 and holds_at_zero:
+        ready_c = ("True", "ScaledToZero", "0 replicas: the router holds requests and a replica starts for them")
     elif desired_replicas == 0:
         ready_c = ("False", "ScaledToZero", "replicas is 0")
     elif w.ready >= desired_replicas and w.updated >= desired_replicas and not w.stale and w.available:

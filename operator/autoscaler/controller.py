@@ -25,10 +25,13 @@ from decodeservice.operator.autoscaler.decide import Autoscaler, AutoscalerSetti
 from decodeservice.operator.autoscaler.report import same_measurement, scale_event, slo_status
 from decodeservice.operator.autoscaler.scrape import ScrapeResult, ScrapeSettings, census, scrape
 from decodeservice.operator.autoscaler.types import FleetObservation, ScaleDecision
+from decodeservice.operator.autoscaler.zero import IdleClock, RouterSignal, scrape_routers, with_router_signal
+from decodeservice.operator.cold_start import cold_start
 from decodeservice.operator.errors import ApiError, InvalidSpecError
 from decodeservice.operator.kube import KINDS, Kind, KubeClient
 from decodeservice.operator.leader_worker_set import multi_node
 from decodeservice.operator.manifests import serving_selector
+from decodeservice.operator.router import routed, router_selector
 from decodeservice.operator.spec import GROUP, PLURAL, VERSION, AutoscalingMode, ValidatedSpec, validate_spec
 from decodeservice.operator.status import now_iso, slo_condition, with_condition
 
@@ -87,6 +90,7 @@ class _State:
     decided: int | None = None  # the last decision's replicas: what the reconcile writes
     last_scale_time: str | None = None
     slo: dict[str, Any] | None = None  # the last status.slo written, fresher than any copy kopf holds
+    idle: IdleClock = field(default_factory=lambda: IdleClock(time.time))  # the routers' clock is wall time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,9 +211,14 @@ class Autoscaling:
         settings = settings_for(v, default_interval=self.config.interval_seconds)
         state = self._state(uid, settings)
         # The serving pods: every pod of a Deployment, the leaders (one per group) of a LeaderWorkerSet.
-        pods = census(await client.list_pods(namespace, serving_selector(name, v)),
-                      overrides=self.config.scrape_overrides)
+        listed = await client.list_pods(namespace, serving_selector(name, v))
+        pods = census(listed, overrides=self.config.scrape_overrides)
         scraped = await scrape(self._session(), pods.ready, settings=self.config.scrape, clock=time.monotonic)
+        signal: RouterSignal | None = None
+        if routed(v):  # the routers see demand where no pod is ready to: held requests, the last request
+            routers = census(await client.list_pods(namespace, router_selector(name)),
+                             overrides=self.config.scrape_overrides)
+            signal = await scrape_routers(self._session(), routers.ready, settings=self.config.scrape)
         # Read, decide and write under the service's lock, which the reconcile holds from reading the
         # decision to writing the Deployment: neither can undo the other with a value it read earlier.
         async with self.lock(uid):
@@ -222,6 +231,11 @@ class Autoscaling:
             decision = state.autoscaler.decide(FleetObservation(
                 at=time.monotonic(), current_replicas=current, samples=scraped.samples,
                 failed_pods=scraped.failed, starting_pods=pods.starting))
+            if signal is not None:
+                a = v.spec.autoscaling
+                decision = with_router_signal(decision, signal=signal, idle_for=state.idle.idle_for(signal),
+                                              samples=scraped.samples, min_replicas=a.min_replicas,
+                                              max_replicas=a.max_replicas, idle_seconds=float(a.idle_seconds))
             now = now_iso()
             state.decided = decision.desired_replicas
             if decision.changed:
@@ -239,11 +253,12 @@ class Autoscaling:
             except ApiError:
                 pass  # an Event is a courtesy: without RBAC for events the scaling itself still happened
         await self._write_status(client, body, decision, state=state, now=now, name=name, namespace=namespace,
-                                 percentile=v.policy.slo.percentile)
+                                 percentile=v.policy.slo.percentile, cold=cold_start(listed))
         return TickResult(decision=decision, scraped=scraped, interval_seconds=settings.interval_seconds)
 
     async def _write_status(self, client: KubeClient, body: Mapping[str, Any], decision: ScaleDecision, *,
-                            state: _State, now: str, name: str, namespace: str, percentile: float) -> None:
+                            state: _State, now: str, name: str, namespace: str, percentile: float,
+                            cold: dict[str, Any] | None) -> None:
         live: Mapping[str, Any] = body.get("status") or {}
         if state.last_scale_time is None and isinstance(live.get("slo"), Mapping):
             state.last_scale_time = live["slo"].get("lastScaleTime")  # survives an operator restart
@@ -254,6 +269,8 @@ class Autoscaling:
         patch: dict[str, Any] = {}
         if not same_measurement(slo, live.get("slo")):
             patch["slo"] = slo
+        if cold is not None and cold != live.get("coldStart"):
+            patch["coldStart"] = cold
         # The conditions list is written whole, so only when SLOMet changes status or reason: the other
         # conditions in this copy may be older than the reconcile's last write (which also refreshes
         # SLOMet's message from the latest figures).

@@ -153,6 +153,9 @@ def service(name: str, *, replicas: int = 1, **autoscaling: Any) -> dict[str, An
     body["metadata"]["name"] = name
     body["spec"]["replicas"] = replicas
     body["spec"]["policies"]["slo"] = {"ttftMs": 1000, "itlMs": 200}
+    # The pod-side decision alone: no routers stand in here (test_scale_to_zero_e2e.py has them), and the
+    # router's children would only lengthen each reconcile, which holds the lock a tick waits on.
+    body["spec"]["routing"] = {"mode": "service"}
     body["spec"]["autoscaling"] = {"mode": "builtin", "minReplicas": 1, "maxReplicas": 3,
                                    "intervalSeconds": INTERVAL, "stableWindowSeconds": 1.5,
                                    "panicWindowSeconds": 0.6, "scaleDownDelaySeconds": 1, **autoscaling}

@@ -33,6 +33,9 @@ PDBS = "policy/v1/poddisruptionbudgets"
 LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 PODS = "v1/pods"
 EVENTS = "v1/events"
+SERVICE_ACCOUNTS = "v1/serviceaccounts"
+ROLES = "rbac.authorization.k8s.io/v1/roles"
+ROLE_BINDINGS = "rbac.authorization.k8s.io/v1/rolebindings"
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 
@@ -176,6 +179,10 @@ def declare_resources(server: KubernetesEmulator) -> None:
     server.resources[SERVICES] = ResourceInfo(kind="Service", namespaced=True, verbs=VERBS)
     server.resources[CONFIGMAPS] = ResourceInfo(kind="ConfigMap", namespaced=True, verbs=VERBS)
     server.resources[PDBS] = ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
+    # routing mode router: the router's ServiceAccount and its EndpointSlice reader Role and binding.
+    server.resources[SERVICE_ACCOUNTS] = ResourceInfo(kind="ServiceAccount", namespaced=True, verbs=VERBS)
+    server.resources[ROLES] = ResourceInfo(kind="Role", namespaced=True, verbs=VERBS)
+    server.resources[ROLE_BINDINGS] = ResourceInfo(kind="RoleBinding", namespaced=True, verbs=VERBS)
     # The autoscaler lists pods and posts Events. Nothing here runs a kubelet: tests create pods with the
     # status (podIP, the Ready condition) a kubelet would have written.
     server.resources[PODS] = ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})

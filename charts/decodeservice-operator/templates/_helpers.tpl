@@ -85,4 +85,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
   verbs: ["get", "create", "patch", "delete"]
+# spec.routing.mode router: each service's router runs as its own ServiceAccount, bound to a Role that may
+# only read EndpointSlices. The API server lets the operator create that Role only if it holds the same
+# permissions itself (no escalate, no bind), hence the read-only EndpointSlice rule.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch"]
 {{- end }}
