@@ -1,10 +1,11 @@
 """Output length policy: cap `max_tokens` / `max_completion_tokens`, inject a default, bound the prompt.
 
-clamp: the limit the engine obeys (`max_completion_tokens` when given, else `max_tokens`) above
+clamp: the limit the engine obeys (on a chat `max_completion_tokens` when given, else `max_tokens`) above
 `maxOutputTokens` is rewritten down to it (so is the other field when over), and the response carries
-`x-decode-clamped: <original>`. reject: it is answered 400. No limit at all: `defaultMaxTokens` is
-injected as `max_tokens`, so no request can run to the context length by omission. With
-`maxInputTokens`, the prompt is counted (upstream /tokenize or a local tokenizer) and 400 when over.
+`x-decode-clamped: <original>`. reject: it is answered 400. No limit the engine obeys: `defaultMaxTokens`
+is injected as `max_tokens`, so no request runs to the context length (or to vLLM's default of 16 on a
+completion) by omission. With `maxInputTokens`, the prompt is counted (upstream /tokenize or a local
+tokenizer) and 400 when over.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from decodeservice.serving.errors import BadRequest
 
 CLAMPED_HEADER = b"x-decode-clamped"
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+COMPLETIONS_PATH = "/v1/completions"  # the other completion route is the chat one
 
 
 class OutputLength:
@@ -44,25 +46,29 @@ class OutputLength:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise BadRequest(f"`{field}` must be a non-negative integer", param=field, reason="invalid_field")
             given[field] = value
-        if not given:
+        # The limit the engine obeys: on a chat, max_completion_tokens whenever it is given (0 included),
+        # else max_tokens (vLLM's chat serving from 0.30 on, and the builtin engine's protocol); a
+        # completion reads max_tokens alone (neither engine has max_completion_tokens there). Clamping,
+        # rejecting and the tenant rate's charge follow that one; the other field, when over the cap, is
+        # lowered too without counting as a clamp (an engine reading it must not exceed the cap).
+        chat = scope["path"] != COMPLETIONS_PATH
+        field = "max_completion_tokens" if chat and "max_completion_tokens" in given else "max_tokens"
+        for name, value in given.items():
+            if name != field and value > cap:
+                ctx.body[name] = cap
+                ctx.body_rewritten = True
+        if field not in given:
             ctx.body["max_tokens"] = self.policy.default_max_tokens
             ctx.body_rewritten = True
             ctx.max_tokens = self.policy.default_max_tokens
         else:
-            # The limit the engine obeys: max_completion_tokens whenever it is given (0 included), else
-            # max_tokens (vLLM's chat serving from 0.30 on, and the builtin engine's protocol). Clamping,
-            # rejecting and the tenant rate's charge follow that one; the other field, when over the cap,
-            # is lowered too without counting as a clamp (an engine reading it must not exceed the cap).
-            field = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
             limit = given[field]
             if limit > cap and self.policy.mode is LengthMode.REJECT:
                 raise BadRequest(f"`{field}` is {limit}, above this deployment's limit of {cap} output tokens",
                                  param=field, reason="max_tokens")
-            for name, value in given.items():
-                if value > cap:
-                    ctx.body[name] = cap
-                    ctx.body_rewritten = True
             if limit > cap:
+                ctx.body[field] = cap
+                ctx.body_rewritten = True
                 ctx.clamped_from = limit
                 self.metrics.for_class[ctx.priority].clamped.inc()
             ctx.max_tokens = min(limit, cap)

@@ -46,6 +46,17 @@ async def test_max_completion_tokens_wins_whenever_given(engine: FakeEngine, pro
     assert 'decode_proxy:requests_clamped_total{class="interactive"} 0.0' in metrics
 
 
+async def test_a_completion_obeys_max_tokens_alone(engine: FakeEngine, proxy: Any) -> None:
+    """Neither engine has max_completion_tokens on /v1/completions: it is an ignored extra field there."""
+    async with proxy(CLAMP, engine.url) as (_, client):
+        both = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2,
+                                                          "max_completion_tokens": 90})
+        only = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_completion_tokens": 3})
+    assert "x-decode-clamped" not in both.headers and only.status_code == 200
+    assert engine.received[0]["max_tokens"] == 2 and engine.received[0]["max_completion_tokens"] == 8
+    assert engine.received[1]["max_tokens"] == 4  # no limit the engine reads: defaultMaxTokens injected
+
+
 async def test_reject_judges_the_limit_the_engine_obeys(engine: FakeEngine, proxy: Any) -> None:
     async with proxy(REJECT, engine.url) as (_, client):
         ok = await client.post("/v1/chat/completions", json={
