@@ -13,6 +13,7 @@ from decodeservice.operator.autoscaler.zero import (
     with_router_signal,
 )
 from decodeservice.operator.cold_start import cold_start
+from decodeservice.router.metrics import RouterMetrics
 
 ROUTER_METRICS = """\
 # TYPE decode_router:requests_held gauge
@@ -27,6 +28,12 @@ decode_router:endpoints{state="ready"} 0
 
 def test_a_routers_metrics_give_held_requests_and_the_last_request() -> None:
     assert parse_router_metrics(ROUTER_METRICS) == (5.0, 1.7e9)
+    metrics = RouterMetrics()  # the router's own exposition: the contract's names, summed over classes
+    metrics.held.labels("interactive").set(3)
+    metrics.held.labels("batch").set(2)
+    metrics.last_request.set(1.7e9)
+    assert parse_router_metrics(metrics.render(ready=0, known=2).decode()) == (5.0, 1.7e9)
+    assert parse_router_metrics(RouterMetrics().render(ready=1, known=1).decode()) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("body", [

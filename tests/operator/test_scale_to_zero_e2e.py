@@ -1,8 +1,8 @@
 """Scale to zero and back, end to end: kopf against the API emulator, routers and pods played by loopback
 HTTP servers.
 
-Each stand-in router serves `/metrics` with the router's series (`decode_router:requests_held{class}`,
-`decode_router:last_request_timestamp_seconds`, as the router contract names them) from values the test
+Each stand-in router serves `/metrics` through the router's own `RouterMetrics`
+(`decode_router:requests_held{class}`, `decode_router:last_request_timestamp_seconds`) at values the test
 sets; each stand-in engine pod serves the proxy's real `ProxyMetrics` with no traffic. A small stand-in for
 the Deployment controller creates pod objects to follow the Deployment's replicas; they start unready (a
 pending replica) until the test marks them Ready, as a kubelet would, with the creation and Ready times
@@ -28,6 +28,7 @@ from decodeservice.operator.manifests import selector_labels
 from decodeservice.operator.router import router_selector
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.policy import Policy
+from decodeservice.router.metrics import RouterMetrics
 from tests.operator.conftest import Cluster, run_operator
 from tests.operator.helpers import EXAMPLES
 from tests.support.kube_emulator import (
@@ -82,11 +83,11 @@ class World:
         return stand
 
     def router_metrics(self) -> str:
-        return ("# TYPE decode_router:requests_held gauge\n"
-                f'decode_router:requests_held{{class="interactive"}} {self.held}\n'
-                'decode_router:requests_held{class="batch"} 0\n'
-                "# TYPE decode_router:last_request_timestamp_seconds gauge\n"
-                f"decode_router:last_request_timestamp_seconds {self.last_request}\n")
+        """The router's own exposition (decodeservice.router.metrics), at the values the test set."""
+        metrics = RouterMetrics()
+        metrics.held.labels("interactive").set(self.held)
+        metrics.last_request.set(self.last_request)
+        return metrics.render(ready=0, known=0).decode()
 
     async def add_router(self, service: str) -> Stand:
         stand = await self._serve(f"{service}-router-{len(self.routers)}", self.router_metrics)
