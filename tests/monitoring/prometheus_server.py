@@ -22,11 +22,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def static_job(name: str, url: str, labels: dict[str, str], *, honor_labels: bool = False) -> dict[str, Any]:
-    """A scrape job for one target, with the labels the chart's PodMonitor relabelling would give it."""
+def static_job(name: str, url: str, labels: dict[str, str], *, honor_labels: bool = False,
+               relabel_configs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A scrape job for one target: `labels` may carry Kubernetes discovery's `__meta_*` labels, which
+    `relabel_configs` turn into target labels as in a cluster."""
     host = url.removeprefix("http://").rstrip("/")
     return {"job_name": name, "honor_labels": honor_labels, "metrics_path": "/metrics",
-            "static_configs": [{"targets": [host], "labels": labels}]}
+            "static_configs": [{"targets": [host], "labels": labels}],
+            "relabel_configs": relabel_configs or []}
 
 
 @contextlib.contextmanager

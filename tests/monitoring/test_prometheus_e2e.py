@@ -2,8 +2,11 @@
 every dashboard panel's query returns data with the labels its legend shows, and `decodectl dashboard`
 draws them.
 
-The scrape jobs give each target the labels the chart's PodMonitor relabelling gives it in a cluster
-(`namespace`, `service`, `pod`); the operator's series bring their own. The router's queries run only
+Each scrape job stands in for the chart's PodMonitor in a cluster: the target carries the discovery
+labels Kubernetes would give it from the pod labels the operator renders (`__meta_kubernetes_pod_label_*`),
+and the PodMonitor's own relabelings, taken from the rendered chart, turn them into `service` and
+`component`; `namespace` and `pod` are set as the Prometheus Operator sets them. The operator's series
+bring their own labels. The router's queries run only
 where `decodeservice.router` is installed (`decodectl router`); elsewhere they are skipped and say so.
 """
 
@@ -14,6 +17,7 @@ import contextlib
 import copy
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import httpx
 import pytest
 import yaml
@@ -30,14 +35,16 @@ import yaml
 from decodeservice.engine.config import SpeculativeConfig
 from decodeservice.monitoring.panels import PANELS, Query, Source, expand
 from decodeservice.monitoring.prometheus import PrometheusClient, TimeRange
+from decodeservice.operator.manifests import MANAGED_BY, build_children
 from decodeservice.operator.metrics import StatusStore, metrics_app
+from decodeservice.operator.spec import validate_spec
 from decodeservice.proxy.app import create_app
 from decodeservice.proxy.policy import Policy
 from tests.conftest import ModelBundle
 from tests.engine.test_server_harness import MODEL, running_server, wait_until
 from tests.monitoring.prometheus_server import free_port, running_prometheus, static_job
 from tests.monitoring.tools import binary
-from tests.operator.helpers import EXAMPLES
+from tests.operator.helpers import CHART, EXAMPLES
 from tests.support.fake_engine import serve_loopback
 from tests.support.loopback_http import serve
 
@@ -155,21 +162,51 @@ async def _client(url: str) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+def _pod_monitor() -> dict[str, Any]:
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(values={"monitoring": {"podMonitor": {"enabled": True}}}, name="dso",
+                                namespace="ops", is_install=True)
+    docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    return next(d for d in docs if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-services"))
+
+
+def _relabel_configs(monitor: dict[str, Any]) -> list[dict[str, Any]]:
+    """The PodMonitor's relabelings in Prometheus's own spelling, as the Prometheus Operator writes them."""
+    names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    return [{names.get(k, k): v for k, v in r.items()} for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]]
+
+
+def _discovered(monitor: dict[str, Any], pod_labels: dict[str, str], pod: str) -> dict[str, str]:
+    """What Kubernetes discovery (plus the operator's namespace and pod labels) gives a selected pod."""
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), "the PodMonitor misses it"
+    meta = {f"__meta_kubernetes_pod_label_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v for k, v in pod_labels.items()}
+    return {**meta, "namespace": NAMESPACE, "pod": pod}
+
+
+def _engine_pod_labels() -> dict[str, str]:
+    body = _decode_service()
+    children = build_children(name=SERVICE, namespace=NAMESPACE, v=validate_spec(body["spec"]), replicas=1)
+    return dict(children.workload["spec"]["template"]["metadata"]["labels"])
+
+
 @pytest.fixture(scope="module")
 def stack(bundled: ModelBundle, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     binary("prometheus")
     folder = tmp_path_factory.mktemp("prometheus")
-    pod = {"namespace": NAMESPACE, "service": SERVICE}
+    monitor = _pod_monitor()
+    relabel = _relabel_configs(monitor)
     with running_server(lambda: bundled.engine(**ENGINE_CONFIG)) as engine, _Servers(engine.url) as servers, \
             contextlib.ExitStack() as extra:
-        jobs = [static_job("decodeservice-pods", servers.urls["proxy"], {**pod, "pod": f"{SERVICE}-0",
-                                                                           "component": "inference"}),
+        jobs = [static_job("decodeservice-pods", servers.urls["proxy"], relabel_configs=relabel,
+                           labels=_discovered(monitor, _engine_pod_labels(), f"{SERVICE}-0")),
                 static_job("decodeservice-operator", servers.urls["operator"], {}, honor_labels=True)]
         front = servers.urls["proxy"]
         if ROUTER:
+            from decodeservice.operator.router import router_labels
+
             front = extra.enter_context(_router(servers.urls["proxy"]))
-            jobs.append(static_job("decodeservice-router", front, {**pod, "pod": f"{SERVICE}-router-0",
-                                                                  "component": "router"}))
+            jobs.append(static_job("decodeservice-router", front, relabel_configs=relabel, labels=_discovered(
+                monitor, router_labels(SERVICE, MANAGED_BY), f"{SERVICE}-router-0")))
         with running_prometheus(jobs, folder) as prometheus:
             statuses: dict[int, int] = {}
 
@@ -224,6 +261,7 @@ def test_every_panel_query_returns_data_with_its_labels(stack: Stack, query: Que
     for s in numbers:
         assert query.labels <= set(s.labels), f"{query.legend}: series {s.labels} lacks {query.labels - set(s.labels)}"
         assert s.labels.get("namespace") == NAMESPACE
+        assert s.labels.get("service", SERVICE) == SERVICE and s.labels.get("name", SERVICE) == SERVICE
 
 
 def client_time(prometheus: str) -> float:
