@@ -8,7 +8,6 @@ what lets a service scale to zero and back. `service` is a plain ClusterIP Servi
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 
 from pydantic import Field
@@ -53,15 +52,15 @@ class RouterResourcesSpec(CamelModel):
     memory: str = Field("256Mi", pattern=QUANTITY_PATTERN)
 
 
-_ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+_ROUTER_DEFAULTS = RouterConfig()  # the router's defaults, one source for the CLI and the CRD
 
 
 class RouterSpec(CamelModel):
     """The router's knobs; the defaults are `decodectl router`'s own (decodeservice.router.config)."""
 
     replicas: int = Field(2, ge=1, le=20)
-    hold_seconds: float = Field(_ROUTER_DEFAULTS["hold_seconds"], gt=0, le=3600)
-    max_held: int = Field(_ROUTER_DEFAULTS["max_held"], ge=1, le=100000)
+    hold_seconds: float = Field(_ROUTER_DEFAULTS.hold_seconds, gt=0, le=3600)
+    max_held: int = Field(_ROUTER_DEFAULTS.max_held, ge=1, le=100000)
     resources: RouterResourcesSpec = Field(default_factory=lambda: RouterResourcesSpec.model_validate({}))
 
 
