@@ -34,7 +34,7 @@ import yaml
 
 from decodeservice.engine.config import SpeculativeConfig
 from decodeservice.monitoring.panels import PANELS, Query, Source, expand
-from decodeservice.monitoring.prometheus import PrometheusClient, TimeRange
+from decodeservice.monitoring.prometheus import PrometheusClient, PrometheusError, TimeRange
 from decodeservice.operator.manifests import MANAGED_BY, build_children
 from decodeservice.operator.metrics import StatusStore, metrics_app
 from decodeservice.operator.spec import validate_spec
@@ -279,3 +279,9 @@ def test_decodectl_dashboard_draws_the_main_panels(stack: Stack, tmp_path: Path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every main panel has a proxy or engine query, so each has lines; the command names any without.
     assert "no data" not in result.stdout, result.stdout
+
+
+def test_a_query_prometheus_refuses_is_reported_with_its_reason(stack: Stack) -> None:
+    with PrometheusClient(stack.prometheus) as client, pytest.raises(PrometheusError, match="bad_data"):
+        end = client_time(stack.prometheus)
+        client.query_range("sum(decode_proxy:requests_total", TimeRange(start=end - 60, end=end, step=1.0))
