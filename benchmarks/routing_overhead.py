@@ -1,14 +1,16 @@
-"""Router overhead: 64 streams straight to an engine against the same streams through `decodectl router`.
+"""Router overhead: 64 streams straight to an engine, through `decodectl proxy`, and through `decodectl router`.
 
     .venv/bin/python -P benchmarks/routing_overhead.py --out benchmarks/results/routing_overhead_c64.json
 
 The method is `benchmarks/proxy_overhead.py`'s, reused from it: the fake engine is served in the load
 generator's own event loop, the router runs as a subprocess (`--endpoints` the engine; one endpoint,
 so every request still has its prompt keyed, looked up in the index and scored, and its load
-counted), and direct and routed rounds alternate. With at least 2 usable CPUs the client and engine
-share one and the router gets the other, as a router pod would have its own CPU. Reported: the added
-p50 TTFT (target < 1 ms) with the median and quartiles of the per-round differences, the output
-tokens/s lost, and each process's CPU seconds per 1000 output tokens. The prompt is
+counted), and direct, proxied and routed rounds take turns, so the proxy (the same kind of hop, whose
+overhead `proxy_overhead.py` measures) is the peer in the same run. With at least 2 usable CPUs the
+client and engine share one and the proxy and router the other, as pods would have their own CPU.
+Reported per hop: the added p50 TTFT (target < 1 ms for the router) with the median and quartiles of
+the per-round differences from the direct round, the output tokens/s lost, and each process's CPU
+seconds per 1000 output tokens. The prompt is
 `--prompt-chars` characters (about a quarter as many tokens), so the router's hashing of it counts.
 """
 
@@ -31,7 +33,17 @@ from decodeservice.serving.stats import percentile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proxy_overhead import _alternate, _cpu_per_1k, _pinning, _spawned_on, closed_loop
+from proxy_overhead import (
+    OVERHEAD_POLICY,
+    _cpu_per_1k,
+    _measured,
+    _pinning,
+    _spawned_on,
+    closed_loop,
+    load_client,
+    proxy,
+    run_load,
+)
 
 from tests.support.fake_engine import FakeEngine, serve_loopback
 
@@ -52,14 +64,26 @@ async def router(endpoint: str, *, logs: Path, cpus: set[int] | None) -> AsyncIt
 
 
 async def _rounds(args: argparse.Namespace, load: dict[str, Any], pins: tuple[set[int], set[int]] | None,
-                  logs: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                  logs: Path) -> dict[str, list[dict[str, Any]]]:
     engine = FakeEngine(ttft_s=args.ttft_ms / 1000.0, itl_s=args.itl_ms / 1000.0, default_tokens=args.tokens)
+    hop_cpus = None if pins is None else pins[1]
     async with serve_loopback(engine.app()) as engine_url:
         engine.url = engine_url
-        async with router(engine_url, logs=logs, cpus=None if pins is None else pins[1]) as child:
-            assert child.pid is not None
-            return await _alternate(engine_url, child.url, {"client_and_engine": os.getpid(), "router": child.pid},
-                                    args.rounds, **load)
+        async with router(engine_url, logs=logs, cpus=hop_cpus) as routed, \
+                proxy(engine_url, OVERHEAD_POLICY, logs=logs, cpus=hop_cpus) as proxied:
+            assert routed.pid is not None and proxied.pid is not None
+            pids = {"client_and_engine": os.getpid(), "proxy": proxied.pid, "router": routed.pid}
+            urls = {"direct": engine_url, "proxy": proxied.url, "router": routed.url}
+            rows: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
+            width = int(load["level"].value)
+            async with contextlib.AsyncExitStack() as stack:
+                clients = {name: await stack.enter_async_context(load_client(width)) for name in urls}
+                for name, url in urls.items():  # warm-up: connections, imports
+                    await run_load(url, client=clients[name], **load)
+                for _ in range(args.rounds):
+                    for name, url in urls.items():
+                        rows[name].append(await _measured(url, pids, client=clients[name], **load))
+            return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -80,28 +104,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         if pins is not None:
             os.sched_setaffinity(0, pins[0])
-        direct, routed = uvloop.run(_rounds(args, load, pins, Path(tmp)))
+        rows = uvloop.run(_rounds(args, load, pins, Path(tmp)))
 
-    def med(rows: list[dict[str, Any]], key: str) -> float:
-        return percentile([float(r[key]) for r in rows], 50)
+    def med(name: str, key: str) -> float:
+        return percentile([float(r[key]) for r in rows[name]], 50)
 
-    paired = [r["ttft_p50_ms"] - d["ttft_p50_ms"] for d, r in zip(direct, routed, strict=True)]
-    d_tps, r_tps = med(direct, "output_tokens_per_s"), med(routed, "output_tokens_per_s")
+    def hop(name: str) -> dict[str, Any]:
+        paired = [r["ttft_p50_ms"] - d["ttft_p50_ms"] for d, r in zip(rows["direct"], rows[name], strict=True)]
+        return {"ttft_p50_ms": med(name, "ttft_p50_ms"), "output_tokens_per_s": med(name, "output_tokens_per_s"),
+                "added_ttft_p50_ms": med(name, "ttft_p50_ms") - med("direct", "ttft_p50_ms"),
+                "added_ttft_p50_ms_paired": {"median": percentile(paired, 50), "q1": percentile(paired, 25),
+                                             "q3": percentile(paired, 75)},
+                "throughput_loss_pct": 100.0 * (1 - med(name, "output_tokens_per_s")
+                                                / med("direct", "output_tokens_per_s")),
+                "cpu_s_per_1k_output_tokens": _cpu_per_1k(rows[name])}
+
     result = {
         "study": "routing_overhead", "command": "benchmarks/routing_overhead.py " + " ".join(sys.argv[1:]),
         "config": {"concurrency": args.concurrency, "tokens": args.tokens, "ttft_ms": args.ttft_ms,
                    "itl_ms": args.itl_ms, "rounds": args.rounds, "prompt_chars": args.prompt_chars,
                    "engine": "fake engine in the load generator's loop (uvloop)", "endpoints": 1},
-        "pinning": None if pins is None else {"client_and_engine_cpus": sorted(pins[0]), "router_cpus": sorted(pins[1])},
-        "direct": {"ttft_p50_ms": med(direct, "ttft_p50_ms"), "output_tokens_per_s": d_tps},
-        "router": {"ttft_p50_ms": med(routed, "ttft_p50_ms"), "output_tokens_per_s": r_tps},
-        "added_ttft_p50_ms": med(routed, "ttft_p50_ms") - med(direct, "ttft_p50_ms"),
-        "added_ttft_p50_ms_paired": {"median": percentile(paired, 50), "q1": percentile(paired, 25),
-                                     "q3": percentile(paired, 75)},
-        "throughput_loss_pct": 100.0 * (d_tps - r_tps) / d_tps,
-        "cpu_s_per_1k_output_tokens": {"direct": _cpu_per_1k(direct), "router": _cpu_per_1k(routed)},
-        "targets": {"added_ttft_p50_ms": "< 1"},
-        "rounds": {"direct": direct, "router": routed},
+        "pinning": None if pins is None else {"client_and_engine_cpus": sorted(pins[0]),
+                                              "proxy_and_router_cpus": sorted(pins[1])},
+        "direct": {"ttft_p50_ms": med("direct", "ttft_p50_ms"),
+                   "output_tokens_per_s": med("direct", "output_tokens_per_s"),
+                   "cpu_s_per_1k_output_tokens": _cpu_per_1k(rows["direct"])},
+        "proxy": hop("proxy"), "router": hop("router"),
+        "targets": {"router_added_ttft_p50_ms": "< 1"},
+        "rounds": rows,
     }
     text = json.dumps(result, indent=2)
     print(text)

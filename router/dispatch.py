@@ -163,16 +163,17 @@ class Dispatcher:
         """Decide and send; None when the chosen endpoint failed before its response head."""
         views = self.fleet.views(ctx.priority, keys)
         objective = self.config.ttft_objective_s
-        predicted = should_shed(views, prompt_tokens=keys.tokens, objective_s=shed_objective(ctx.priority, objective))
+        threshold = shed_objective(ctx.priority, objective)
+        predicted = should_shed(views, prompt_tokens=keys.tokens, objective_s=threshold)
         if predicted is not None:
             self.metrics.shed.labels(ctx.priority.value, "slo").inc()
             raise Overloaded(
                 f"overloaded: every endpoint's predicted time to first token (best {predicted * 1000:.0f} ms) "
                 f"exceeds the {objective * 1000:g} ms objective for {ctx.priority.value} requests",
-                headers={"Retry-After": str(retry_after_seconds(predicted))}, reason="slo")
+                headers={"Retry-After": str(retry_after_seconds(predicted, threshold))}, reason="slo")
         decision = decide(views, prompt_tokens=keys.tokens, conversation=keys.conversation, objective_s=objective)
         url = decision.endpoint
-        handle = self.fleet.dispatched(url, priority=ctx.priority, uncached=max(1, keys.tokens - decision.hit_tokens),
+        handle = self.fleet.dispatched(url, uncached=max(1, keys.tokens - decision.hit_tokens),
                                        predicted_ttft_s=decision.predicted_ttft_s)
         request = httpx.Request("POST", url + scope["path"], content=ctx.raw_body,
                                 headers=forward_headers(scope, content_type=b"application/json"),

@@ -33,13 +33,19 @@ _MEAN_DECAY = 0.9
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class InFlight:
-    """One of the router's requests on an endpoint: its prefill work until its first token."""
+    """One of the router's requests on an endpoint, until its first token."""
 
-    priority: PriorityClass
     tokens: float  # prefill tokens ahead of it at dispatch plus its own uncached ones (the model's x)
-    uncached: int
-    first_token_due: float  # time.perf_counter() its first token is predicted at
-    prefilling: bool = True
+    uncached: int  # its own prompt tokens to prefill
+    sent: float  # time.perf_counter() at dispatch
+    first_token_due: float  # when its first token is predicted
+
+    def remaining(self, now: float) -> float:
+        """Its prefill not yet done, taken as progressing evenly until its predicted first token."""
+        span = self.first_token_due - self.sent
+        if span <= 0:
+            return 0.0
+        return self.uncached * min(1.0, max(0.0, (self.first_token_due - now) / span))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -49,16 +55,17 @@ class EndpointState:
     ready: bool = False
     load: ScrapedLoad = NO_LOAD
     model: PrefillModel = dataclasses.field(default_factory=PrefillModel)
-    inflight: dict[int, InFlight] = dataclasses.field(default_factory=dict)
+    # The router's requests there still before their first token; a stream that has begun decoding no
+    # longer delays a newcomer (the engine batches it in), so it leaves this table.
+    prefill: dict[int, InFlight] = dataclasses.field(default_factory=dict)
+
 
     def prefill_tokens_ahead(self, now: float) -> float:
-        """The prefill still ahead of a newcomer, in tokens: the engine prefills in arrival order, so it
-        is busy until the last first token now due, and what is left of that time at this endpoint's
-        cost is the work ahead. (Counting every prefilling request's whole prompt would count again the
-        part already done.)"""
-        due = max((r.first_token_due for r in self.inflight.values() if r.prefilling), default=now)
-        estimate = self.model.estimate
-        return max(0.0, due - now - estimate.base_s) / estimate.cost_per_token_s
+        """The prefill still ahead of a newcomer, in tokens: what is left of each earlier request's
+        uncached prompt (counting each one whole would count again the part already done). Only tokens:
+        the per-request base of the model is mostly a step's fixed cost, which a batch shares, so
+        adding it up per request ahead would serialise what the engine runs together."""
+        return sum(r.remaining(now) for r in self.prefill.values())
 
 
 class Fleet:
@@ -138,34 +145,32 @@ class Fleet:
                 url=url, hit_tokens=self.index.match(url, keys.blocks) * keys.block_tokens, tokens_ahead=ahead,
                 # Streams past their first token do not delay a newcomer's start: the engine batches it
                 # in at once. Only prefill ahead of it (ours, or the proxy's queue) does.
-                busy=ahead > 0, kv_usage=e.load.kv_usage,
+                busy=queued > 0 or bool(e.prefill), kv_usage=e.load.kv_usage,
                 base_s=estimate.base_s, cost_per_token_s=estimate.cost_per_token_s, observed=estimate.observed > 0,
             ))
         return views
 
     # -- the router's own requests ------------------------------------------------------------------
-    def dispatched(self, url: str, *, priority: PriorityClass, uncached: int, predicted_ttft_s: float) -> int:
+    def dispatched(self, url: str, *, uncached: int, predicted_ttft_s: float) -> int:
         """Count a request sent to `url`; returns its handle for `first_token` and `finished`."""
         state = self.endpoints[url]
         handle = next(self._ids)
         now = time.perf_counter()
-        state.inflight[handle] = InFlight(priority=priority, tokens=state.prefill_tokens_ahead(now) + uncached,
-                                          uncached=uncached, first_token_due=now + predicted_ttft_s)
+        state.prefill[handle] = InFlight(tokens=state.prefill_tokens_ahead(now) + uncached, uncached=uncached,
+                                         sent=now, first_token_due=now + predicted_ttft_s)
         self.mean_uncached = _MEAN_DECAY * self.mean_uncached + (1 - _MEAN_DECAY) * uncached
         return handle
 
     def first_token(self, url: str, handle: int, *, ttft_s: float) -> None:
         state = self.endpoints.get(url)
-        request = None if state is None else state.inflight.get(handle)
-        if state is None or request is None or not request.prefilling:
-            return
-        request.prefilling = False
-        state.model.observe(tokens=request.tokens, ttft_s=ttft_s)
+        request = None if state is None else state.prefill.pop(handle, None)
+        if state is not None and request is not None:
+            state.model.observe(tokens=request.tokens, ttft_s=ttft_s)
 
     def finished(self, url: str, handle: int) -> None:
         state = self.endpoints.get(url)
         if state is not None:
-            state.inflight.pop(handle, None)
+            state.prefill.pop(handle, None)
 
     # -- probing ------------------------------------------------------------------------------------
     async def poll_forever(self, client: httpx.AsyncClient) -> None:

@@ -19,12 +19,12 @@ class EndpointIndex:
 
     def __init__(self, *, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, blocks: Sequence[bytes]) -> int:
+    def match(self, blocks: Sequence[int]) -> int:
         """How many leading blocks of `blocks` this endpoint holds."""
         depth = 0
         for block in blocks:
@@ -33,7 +33,7 @@ class EndpointIndex:
             depth += 1
         return depth
 
-    def record(self, blocks: Iterable[bytes]) -> None:
+    def record(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             self._blocks[block] = None
             self._blocks.move_to_end(block)
@@ -48,11 +48,11 @@ class PrefixIndex:
         self.max_blocks = max_blocks_per_endpoint
         self._by_endpoint: dict[str, EndpointIndex] = {}
 
-    def match(self, endpoint: str, blocks: Sequence[bytes]) -> int:
+    def match(self, endpoint: str, blocks: Sequence[int]) -> int:
         index = self._by_endpoint.get(endpoint)
         return 0 if index is None else index.match(blocks)
 
-    def record(self, endpoint: str, blocks: Sequence[bytes]) -> None:
+    def record(self, endpoint: str, blocks: Sequence[int]) -> None:
         index = self._by_endpoint.get(endpoint)
         if index is None:
             index = self._by_endpoint[endpoint] = EndpointIndex(max_blocks=self.max_blocks)

@@ -132,5 +132,7 @@ def should_shed(views: Sequence[EndpointView], *, prompt_tokens: int, objective_
     return best
 
 
-def retry_after_seconds(predicted_s: float) -> int:
-    return max(1, math.ceil(predicted_s))
+def retry_after_seconds(predicted_s: float, objective_s: float) -> int:
+    """When to come back: once the backlog ahead has drained by what the prediction exceeds the
+    objective by (at least a second, the header's unit)."""
+    return max(1, math.ceil(predicted_s - objective_s))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from decodeservice.proxy.policy import PriorityClass
@@ -22,11 +24,12 @@ def test_work_ahead_is_what_is_left_until_the_last_predicted_first_token() -> No
     f = fleet()
     (a, b) = f.views(PriorityClass.INTERACTIVE, KEYS)
     assert a.tokens_ahead == b.tokens_ahead == 0 and not a.busy
-    first = f.dispatched("http://a", priority=PriorityClass.INTERACTIVE, uncached=500, predicted_ttft_s=0.52)
-    f.dispatched("http://a", priority=PriorityClass.BATCH, uncached=100, predicted_ttft_s=0.62)
+    first = f.dispatched("http://a", uncached=500, predicted_ttft_s=0.52)
+    f.dispatched("http://a", uncached=100, predicted_ttft_s=0.62)
     a, b = f.views(PriorityClass.INTERACTIVE, KEYS)
-    # The prior: 20 ms + 1 ms a token, so 0.62 s from now is about 600 tokens of prefill ahead.
-    assert a.tokens_ahead == pytest.approx(600, abs=5) and a.busy
+    assert a.tokens_ahead == pytest.approx(600, abs=5) and a.busy  # both prompts, nothing done yet
+    later = f.endpoints["http://a"].prefill_tokens_ahead(time.perf_counter() + 0.26)
+    assert later == pytest.approx(500 / 2 + 100 * 0.36 / 0.62, abs=10)  # each one done in proportion
     assert b.tokens_ahead == 0
     f.first_token("http://a", first, ttft_s=0.5)
     f.finished("http://a", first)
@@ -47,7 +50,7 @@ def test_unready_and_removed_endpoints_are_not_routed_to() -> None:
 def test_a_new_endpoint_starts_from_what_its_peers_learned() -> None:
     f = fleet()
     for _ in range(50):
-        handle = f.dispatched("http://a", priority=PriorityClass.INTERACTIVE, uncached=400, predicted_ttft_s=0.1)
+        handle = f.dispatched("http://a", uncached=400, predicted_ttft_s=0.1)
         f.first_token("http://a", handle, ttft_s=2.0)
         f.finished("http://a", handle)
     f.update({"http://a": True, "http://b": True, "http://c": True})

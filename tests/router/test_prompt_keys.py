@@ -71,14 +71,14 @@ def test_the_index_never_lends_one_tenants_blocks_to_another() -> None:
 
 def test_the_endpoint_index_is_a_bounded_lru_and_a_match_is_a_prefix() -> None:
     index = EndpointIndex(max_blocks=4)
-    index.record([b"1", b"2", b"3"])
-    assert index.match([b"1", b"2", b"9", b"3"]) == 2
-    index.record([b"1"])  # refreshed: now the most recent
-    index.record([b"4", b"5"])  # evicts the least recent: 2
+    index.record([1, 2, 3])
+    assert index.match([1, 2, 9, 3]) == 2
+    index.record([1])  # refreshed: now the most recent
+    index.record([4, 5])  # evicts the least recent: 2
     assert len(index) == 4
-    assert index.match([b"1", b"2"]) == 1
-    assert index.match([b"4", b"5"]) == 2
-    assert index.match([b"2", b"3"]) == 0  # 3 is there, but the walk stops at the first block missing
+    assert index.match([1, 2]) == 1
+    assert index.match([4, 5]) == 2
+    assert index.match([2, 3]) == 0  # 3 is there, but the walk stops at the first block missing
 
 
 @pytest.mark.parametrize("body", [{"messages": "hi"}, {"messages": []}, {"messages": ["hi"]}, {"prompt": 5},

@@ -105,7 +105,7 @@ def test_shedding_needs_every_endpoint_busy_observed_and_over_the_objective() ->
     assert should_shed([dataclasses.replace(v, observed=False) for v in over], prompt_tokens=600,
                        objective_s=1.0) is None
     assert should_shed(over, prompt_tokens=600, objective_s=5.0) is None
-    assert retry_after_seconds(2.62) == 3 and retry_after_seconds(0.01) == 1
+    assert retry_after_seconds(3.62, 1.0) == 3 and retry_after_seconds(1.01, 1.0) == 1
 
 
 def test_the_prefill_model_learns_base_and_cost_from_observations() -> None:
