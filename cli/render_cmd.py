@@ -19,7 +19,8 @@ OUTPUTS = ("yaml", "json")
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "render", help="print the Kubernetes objects a DecodeService becomes",
-        description="Render a DecodeService manifest into the Deployment, Service, ConfigMap and PDB the "
+        description="Render a DecodeService manifest into the Deployment, Service, ConfigMap and PDB (and, "
+                    "with routing mode router, the router's Deployment, PDB, RBAC and NAME-pods Service) the "
                     "operator would create. No cluster is needed; the spec is validated as the operator "
                     "validates it (exit 2 with the field named).",
         **subcommand_kwargs())

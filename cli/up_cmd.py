@@ -2,7 +2,8 @@
 
 The init containers, then the engine and the proxy, with their commands, args, env and probes exactly as
 rendered (`decodectl render` shows them); the pod's paths map to folders under --workdir and it serves on
-127.0.0.1:--port. Try a manifest before deploying it. Ctrl-C stops it the way a pod stops (SIGTERM).
+127.0.0.1:--port. With routing mode router (an autoscaled service's default) the router runs in front of
+the pod as rendered, on --port, given the pod's proxy with `--endpoints` instead of an EndpointSlice watch. Try a manifest before deploying it. Ctrl-C stops it the way a pod stops (SIGTERM).
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="decodectl-up-") as scratch:
         workdir = args.workdir or Path(scratch)
         try:
-            pod = plan_local_pod(render(body), workdir=workdir, volumes=volumes,
-                                 ports={PROXY_PORT: args.port, ENGINE_PORT: _free_port()})
+            children = render(body)
+            # Routing mode router: the router takes --port and routes to the pod's proxy on a port of its own.
+            routed = children.router is not None
+            pod = plan_local_pod(children, workdir=workdir, volumes=volumes,
+                                 ports={PROXY_PORT: _free_port() if routed else args.port, ENGINE_PORT: _free_port()},
+                                 router_port=args.port if routed else None)
         except (InvalidSpecError, LocalPodError) as exc:
             raise UsageError(f"{args.filename}: {exc}") from None
 

@@ -60,7 +60,7 @@ class LocalProcess:
 class LocalPod:
     init: list[LocalProcess]
     containers: list[LocalProcess]
-    url: str  # the proxy: what the Service would route to
+    url: str  # what the Service would route to: the proxy, or the router in front of it
     ports: dict[int, int] = field(default_factory=dict)  # container port -> local port
 
 
@@ -118,9 +118,38 @@ def _probe(spec: dict[str, Any] | None, ports: Mapping[str, int]) -> Probe | Non
                  failures=int(spec.get("failureThreshold", 3)))
 
 
+def _local_router(children: Children, *, endpoint: str, port: int, policy_dir: Path,
+                  host: Mapping[str, str]) -> LocalProcess:
+    """The router as rendered, routing to the one local pod: its `--service` (an EndpointSlice watch, which
+    needs a cluster) becomes `--endpoints`, as `decodectl router` takes for local runs."""
+    assert children.router is not None
+    (c,) = children.router.deployment["spec"]["template"]["spec"]["containers"]
+    args, argv = list(c["args"]), []
+    cluster_only = {"--service", "--namespace", "--endpoint-port"}
+    while args:
+        flag = args.pop(0)
+        value = args.pop(0) if flag.startswith("--") and args and not args[0].startswith("--") else None
+        if flag in cluster_only:
+            continue
+        if flag == "--port":
+            value = str(port)
+        elif flag == "--host":
+            value = "127.0.0.1"
+        elif flag == "--policy":
+            value = str(policy_dir / "policy.yaml")
+        argv += [flag] if value is None else [flag, value]
+    argv += ["--endpoints", endpoint]
+    env = {k: host[k] for k in _HOST_ENV if k in host}
+    env["HOME"] = str(policy_dir.parent / "router-home")
+    readiness = _probe(c.get("readinessProbe"), {"http": port})
+    return LocalProcess(name="router", argv=_argv([*c["command"], *argv]), env=env, readiness=readiness)
+
+
 def plan_local_pod(children: Children, *, workdir: Path, ports: Mapping[int, int],
-                   volumes: Mapping[str, Path] | None = None, host_env: Mapping[str, str] | None = None) -> LocalPod:
-    """The pod of `children` as local processes; `ports` maps each container port to a local one."""
+                   volumes: Mapping[str, Path] | None = None, host_env: Mapping[str, str] | None = None,
+                   router_port: int | None = None) -> LocalPod:
+    """The pod of `children` as local processes; `ports` maps each container port to a local one. With
+    routing mode router and `router_port`, the router runs too, in front of the pod, on that port."""
     if children.workload["kind"] != "Deployment":
         raise LocalPodError("a multi-node service (resources.nodes > 1) runs as a LeaderWorkerSet of several "
                             "GPU pods; decodectl up runs single-node services only")
@@ -158,9 +187,14 @@ def plan_local_pod(children: Children, *, workdir: Path, ports: Mapping[int, int
                             env=_env(c, rewrite=rewrite, host=host),
                             startup=_probe(c.get("startupProbe"), named), readiness=_probe(c.get("readinessProbe"), named))
 
-    return LocalPod(init=[process(c) for c in pod.get("initContainers") or []],
-                    containers=[process(c) for c in pod["containers"]],
-                    url=f"http://127.0.0.1:{ports[PROXY_PORT]}", ports=dict(ports))
+    containers = [process(c) for c in pod["containers"]]
+    url = f"http://127.0.0.1:{ports[PROXY_PORT]}"
+    if children.router is not None and router_port is not None:
+        containers.append(_local_router(children, endpoint=url, port=router_port, policy_dir=dirs["policy"],
+                                        host=host))
+        url = f"http://127.0.0.1:{router_port}"
+    return LocalPod(init=[process(c) for c in pod.get("initContainers") or []], containers=containers,
+                    url=url, ports=dict(ports))
 
 
 def _wait_ready(proc: LocalProcess, popen: subprocess.Popen[bytes], stop: threading.Event, *,

@@ -41,3 +41,23 @@ def test_shared_objects_are_written_out_in_full() -> None:
     out = dump([{"a": labels, "b": labels}], output="yaml")
     assert "&" not in out and "*" not in out
     assert yaml.safe_load(out) == {"a": {"app": "x"}, "b": {"app": "x"}}
+
+
+def test_a_routed_service_renders_its_router(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "-f", str(EXAMPLES / "scale-to-zero.yaml")]) == 0
+    objects = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(capsys.readouterr().out)}
+    name = "smollm2-scale-to-zero"
+    assert {("Deployment", f"{name}-router"), ("Service", f"{name}-pods"), ("ServiceAccount", f"{name}-router"),
+            ("Role", f"{name}-router"), ("RoleBinding", f"{name}-router"),
+            ("PodDisruptionBudget", f"{name}-router"), ("Service", name), ("Deployment", name)} <= objects
+
+
+def test_a_routing_combination_that_cannot_serve_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = yaml.safe_load((EXAMPLES / "scale-to-zero.yaml").read_text())
+    body["spec"]["routing"]["mode"] = "service"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(SystemExit) as exited:
+        main(["render", "-f", str(path)])
+    assert exited.value.code == 2
+    assert "minReplicas: 0 needs routing.mode router" in capsys.readouterr().err

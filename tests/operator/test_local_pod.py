@@ -97,3 +97,49 @@ def test_decodectl_up_serves_the_cpu_smoke_example(tmp_path: Path) -> None:
         assert proc.stdout is not None
         proc.stdout.close()
     assert code == 0, "".join(lines[-30:])
+
+
+def test_a_routed_service_runs_the_rendered_router_in_front_of_the_pod(tmp_path: Path) -> None:
+    children = render(load(EXAMPLES / "scale-to-zero.yaml"))
+    proxy_port, router_port = _free_port(), _free_port()
+    pod = plan_local_pod(children, workdir=tmp_path, ports={8000: proxy_port, 8001: _free_port()},
+                         router_port=router_port)
+    engine, proxy, router = pod.containers
+    assert pod.url == f"http://127.0.0.1:{router_port}"
+    argv = router.argv[router.argv.index("router"):]
+    # The rendered command line, with the EndpointSlice watch (cluster-only) replaced by the local pod.
+    assert argv == ["router", "--host", "127.0.0.1", "--port", str(router_port),
+                    "--policy", str(tmp_path / "volumes" / "policy" / "policy.yaml"),
+                    "--hold-seconds", "60", "--max-held", "256", "--endpoints", f"http://127.0.0.1:{proxy_port}"]
+    assert router.readiness is not None
+    ready_url = router.readiness.url
+    assert ready_url == f"http://127.0.0.1:{router_port}/ready"
+    # The real `decodectl router` takes that command line: ready with no pod up (it would hold requests).
+    proc = subprocess.Popen(router.argv, env=router.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        ready = threading.Event()
+
+        def probe() -> None:
+            with httpx.Client(timeout=2.0) as client:
+                while proc.poll() is None and not ready.is_set():
+                    try:
+                        if client.get(ready_url).status_code == 200:
+                            ready.set()
+                    except httpx.TransportError:
+                        ready.wait(0.1)  # not listening yet: look again shortly
+
+        threading.Thread(target=probe, daemon=True).start()
+        ready.wait(timeout=60)
+        assert ready.is_set(), proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else "no /ready"
+        with httpx.Client(timeout=5.0) as client:
+            metrics = client.get(f"{pod.url}/metrics").text
+        assert "decode_router:requests_held" in metrics and "decode_router:last_request_timestamp_seconds" in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
