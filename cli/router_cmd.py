@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
             except OSError:
                 raise UsageError("--namespace is needed outside a pod") from None
         source = EndpointSliceWatch(service=args.service, namespace=namespace, port=args.endpoint_port)
+        try:
+            EndpointSliceWatch.check_config()
+        except Exception as exc:  # the client's ConfigException: no service account token, no API address
+            raise UsageError(f"--service watches EndpointSlices from inside a pod, and this is not one: {exc}") from None
 
     from decodeservice.proxy.serve import serve
     from decodeservice.router.app import create_app

@@ -67,6 +67,14 @@ class EndpointSliceWatch:
     namespace: str
     port: int
 
+    @staticmethod
+    def check_config() -> None:
+        """Raise (the client's ConfigException) unless this process runs in a pod with a service account."""
+        import kubernetes
+
+        k8s: Any = kubernetes
+        k8s.config.load_incluster_config()
+
     async def run(self, publish: Publish) -> None:
         loop = asyncio.get_running_loop()
         stop = threading.Event()
@@ -87,7 +95,7 @@ class EndpointSliceWatch:
 
         # The client's models type every field Optional and its helpers are untyped: read it as Any.
         k8s: Any = kubernetes
-        k8s.config.load_incluster_config()
+        k8s.config.load_incluster_config()  # checked by the CLI before the server started
         api = k8s.client.DiscoveryV1Api()
         serialize = k8s.client.ApiClient().sanitize_for_serialization
         selector = f"{SERVICE_NAME_LABEL}={self.service}"

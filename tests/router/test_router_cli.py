@@ -33,3 +33,10 @@ def test_service_mode_outside_a_pod_needs_a_namespace(capsys: pytest.CaptureFixt
         main(["router", "--service", "chat-pods"])
     assert exited.value.code == 2
     assert "--namespace is needed outside a pod" in capsys.readouterr().err
+
+
+def test_service_mode_outside_a_pod_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "--service", "chat-pods", "--namespace", "prod"])
+    assert exited.value.code == 2
+    assert "from inside a pod" in capsys.readouterr().err
