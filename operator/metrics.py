@@ -122,8 +122,10 @@ def install(registry: kopf.OperatorRegistry, *, host: str, port: int) -> StatusS
     store = StatusStore()
     runner: list[web.AppRunner] = []
 
+    # Async on purpose: kopf runs sync handlers in worker threads, and the store is read by /metrics on
+    # the event loop; both on the loop, neither sees the other's dict half-changed.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def observe(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+    async def observe(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         store.observe(str(event.get("type") or ""), body)
 
     @kopf.on.startup(registry=registry)
