@@ -29,6 +29,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--cuda-image", default=None, help="image of builtin engines with resources.gpus > 0 "
                         "(CUDA torch; default: built-in)")
     parser.add_argument("--vllm-image", default=None, help="default image for engine.kind=vllm")
+    parser.add_argument("--router-image", default=None, help="image of the fleet routers (routing mode router; "
+                        "default: --image)")
     add_seconds_option(parser, "--resync-seconds", default=60.0, help="drift repair interval")
     add_seconds_option(parser, "--drain-seconds", default=10, type=int, help="pods' preStop drain")
     add_seconds_option(parser, "--autoscale-interval-seconds", default=5.0, deprecated=("--autoscale-interval",),
@@ -51,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         build_kwargs["cuda_image"] = args.cuda_image
     if args.vllm_image:
         build_kwargs["vllm_image"] = args.vllm_image
+    if args.router_image:
+        build_kwargs["router_image"] = args.router_image
     try:
         config = OperatorConfig(build=BuildOptions(**build_kwargs), resync_seconds=args.resync_seconds,
                                 autoscaling=AutoscalingConfig(interval_seconds=args.autoscale_interval_seconds))

@@ -76,6 +76,7 @@ class BuildOptions:
     image: str = DEFAULT_IMAGE
     cuda_image: str = DEFAULT_CUDA_IMAGE
     vllm_image: str = DEFAULT_VLLM_IMAGE
+    router_image: str | None = None  # the fleet routers' (routing mode router); None: `image`
     vllm_cpu_image: str = DEFAULT_VLLM_CPU_IMAGE
     image_pull_policy: str = "IfNotPresent"
     drain_seconds: int = 10  # preStop wait so endpoints drop the pod before the proxy stops accepting
@@ -339,7 +340,8 @@ def build_children(*, name: str, namespace: str, v: ValidatedSpec,
     serving = serving_selector(name, v)
     router = None
     if routed(v):
-        router = build_router(name=name, namespace=namespace, v=v, serving=serving, image=opts.image,
+        router = build_router(name=name, namespace=namespace, v=v, serving=serving,
+                              image=opts.router_image or opts.image,
                               image_pull_policy=opts.image_pull_policy, policy_config_map=f"{name}-policy",
                               policy_dir=POLICY_DIR, pod_security=POD_SECURITY, container_security=CONTAINER_SECURITY,
                               drain_seconds=opts.drain_seconds, managed_by=MANAGED_BY,

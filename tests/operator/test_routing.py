@@ -8,11 +8,13 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from decodeservice.operator.errors import InvalidRoutingError
 from decodeservice.operator.manifests import (
     KERNEL_CACHE_ENV,
     SHARED_KERNEL_CACHE_DIR,
+    BuildOptions,
     Children,
     render,
     selector_labels,
@@ -20,7 +22,7 @@ from decodeservice.operator.manifests import (
 )
 from decodeservice.operator.router import router_selector
 from decodeservice.operator.spec import validate_spec
-from tests.operator.helpers import EXAMPLES, load, operator_roles
+from tests.operator.helpers import CHART, EXAMPLES, load, operator_roles
 from tests.operator.security import rbac_violations, restricted_violations
 
 K8S_VERSION = "1.37"
@@ -209,3 +211,24 @@ def test_the_kernel_cache_variable_is_the_operators_own() -> None:
     body["spec"]["engine"]["env"] = [{"name": KERNEL_CACHE_ENV, "value": "/elsewhere"}]
     with pytest.raises(Exception, match="set by the operator"):
         validate_spec(body["spec"])
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    (None, "ghcr.io/decodeservice/decodeservice:{app}"),
+    ({"router": {"image": {"repository": "registry.local/router", "tag": "slim"}}}, "registry.local/router:slim"),
+], ids=["operator-image", "override"])
+def test_the_chart_hands_the_operator_the_routers_image(values: dict[str, Any] | None, expected: str) -> None:
+    import helm_python  # the real Helm SDK, as tests/operator/helpers.py imports it
+
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(values=values, name="dso", namespace="ops", is_install=True)
+    app = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    (deployment,) = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text)
+                     if d and d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--router-image") + 1] == expected.format(app=app)
+    routed_children = render(manifest(routing={"mode": "router"}),
+                             options=BuildOptions(router_image=expected.format(app=app)))
+    assert routed_children.router is not None
+    (router,) = routed_children.router.deployment["spec"]["template"]["spec"]["containers"]
+    assert router["image"] == expected.format(app=app)

@@ -50,6 +50,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.cudaTag) }}
 {{- end }}
 
+{{/* The fleet routers' image: router.image, each part defaulting to the operator's own. */}}
+{{- define "decodeservice-operator.routerImage" -}}
+{{- printf "%s:%s" (default .Values.image.repository .Values.router.image.repository) (default (default .Chart.AppVersion .Values.image.tag) .Values.router.image.tag) }}
+{{- end }}
+
 {{/* The rules the operator needs, nothing more: no wildcards, no Secrets. */}}
 {{- define "decodeservice-operator.rules" -}}
 - apiGroups: ["decode.dev"]
