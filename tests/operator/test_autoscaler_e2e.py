@@ -1,8 +1,8 @@
 """The builtin autoscaler end to end: kopf against the API emulator, pods played by loopback servers.
 
 Each stand-in pod is a real HTTP server on 127.0.0.1 (its own port) serving the proxy's real
-`ProxyMetrics` exposition. Every scrape first records a few requests in the pod's current mode (slow:
-TTFT 3x the objective; fast: far under it), so load continues for as long as the test says and the
+`ProxyMetrics` exposition. Every scrape first records the requests since the last one (20 per tick
+interval) in the pod's current mode (slow: TTFT 3x the objective; fast: far under it), so load continues for as long as the test says and the
 histograms change between ticks as the test decides. A small stand-in for the Deployment controller
 creates and deletes ready pod objects (and their servers) to follow the Deployment's replicas.
 """
@@ -46,6 +46,7 @@ class Pod:
     metrics: ProxyMetrics = field(default_factory=lambda: ProxyMetrics(POLICY))
     scrapes: list[tuple[str, int]] = field(default_factory=list)  # (mode served, Deployment replicas then)
     runner: web.AppRunner | None = None
+    last_scrape: float | None = None  # monotonic time of the previous scrape: the load is a constant rate
 
 
 class Fleet:
@@ -82,7 +83,12 @@ class Fleet:
             mode = "slow" if len(pod.scrapes) % 2 else "fast"
         if mode in SECONDS or mode == "busy":
             ttft = SECONDS.get(mode, SECONDS["slow"])
-            for _ in range(20):
+            # 20 requests per interval, as a rate: a tick delayed by a loaded machine (and the quicker one
+            # after it) sees the same requests per second, not 20 per scrape however close the scrapes.
+            now = time.monotonic()
+            elapsed = INTERVAL if pod.last_scrape is None else now - pod.last_scrape
+            pod.last_scrape = now
+            for _ in range(round(20 * elapsed / INTERVAL)):
                 pod.metrics.record(RequestOutcome(priority=PriorityClass.INTERACTIVE, finished=time.perf_counter(),
                                                   ttft=ttft, upstream_ttft=ttft, service_time=ttft + 0.1,
                                                   e2e=ttft + 0.1, itls=(0.01, 0.01), output_tokens=3))
