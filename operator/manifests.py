@@ -27,6 +27,7 @@ from decodeservice.operator.engines import (
 )
 from decodeservice.operator.errors import InvalidSpecError
 from decodeservice.operator.inference_pool import build_inference_pool, pod_labels
+from decodeservice.operator.kernel_cache import KERNEL_CACHE_ENV, kernel_cache_dir, kernel_cache_mounts
 from decodeservice.operator.leader_worker_set import (
     LEADER,
     ROLE_LABEL,
@@ -177,8 +178,7 @@ def _engine_container(v: ValidatedSpec, opts: BuildOptions, plan: ModelPlan) -> 
     # vLLM has no /ready; its /health answers once the model is loaded. Ours splits the two.
     ready_path = "/health" if vllm else "/ready"
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, *plan.mounts]
-    if shared_kernel_cache(plan):  # writable, unlike the model files beside it
-        mounts.append({"name": "model-cache", "mountPath": SHARED_KERNEL_CACHE_DIR, "subPath": SHARED_KERNEL_SUBPATH})
+    mounts += kernel_cache_mounts(plan)
     if vllm:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     requests = {"cpu": res.cpu, "memory": res.memory}
@@ -211,28 +211,10 @@ def engine_image(v: ValidatedSpec, opts: BuildOptions) -> str:
     return opts.cuda_image if v.spec.resources.gpus > 0 else opts.image
 
 
-# The engine's kernel choices and native kernels (engine/quant/kernel_plan.py, engine/attention/context_plan.py,
-# engine/cpp_extensions.py), keyed by the CPU's identity (model, ISA flags, threads, torch): by default in
-# the cache emptyDir, which outlives a container restart; on the model-cache PVC where there is one, so a
-# second replica on the same machine type starts without measuring again.
-KERNEL_CACHE_ENV = "DECODESERVICE_KERNEL_CACHE"
-SHARED_KERNEL_CACHE_DIR = "/kernel-cache"
-SHARED_KERNEL_SUBPATH = "decodeservice-kernels"
-
-
-def shared_kernel_cache(plan: ModelPlan) -> bool:
-    """True where the model cache is a PVC the pods share (spec.model.cache.claimName)."""
-    return any(vol["name"] == "model-cache" and "persistentVolumeClaim" in vol for vol in plan.volumes)
-
-
-def _kernel_cache_dir(plan: ModelPlan) -> str:
-    return SHARED_KERNEL_CACHE_DIR if shared_kernel_cache(plan) else f"{CACHE_DIR}/kernels"
-
-
 def _cache_env(plan: ModelPlan) -> list[dict[str, str]]:
     # The root filesystem is read-only: every tool that caches must write under the emptyDirs.
     return [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-            {"name": KERNEL_CACHE_ENV, "value": _kernel_cache_dir(plan)},
+            {"name": KERNEL_CACHE_ENV, "value": kernel_cache_dir(plan)},
             {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
             # spec.engine.compile: the emptyDir outlives a container restart, so a restarted engine loads

@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from decodeservice.operator.errors import InvalidRoutingError
+from decodeservice.operator.kernel_cache import KERNEL_CACHE_ENV, SHARED_KERNEL_CACHE_DIR
 from decodeservice.operator.manifests import (
-    KERNEL_CACHE_ENV,
-    SHARED_KERNEL_CACHE_DIR,
     BuildOptions,
     Children,
     render,
