@@ -12,7 +12,8 @@ document of about `--doc-tokens` tokens, then `--turns` questions, each sent wit
 - `round_robin`: to the replicas in turn, request by request (what a Service does, near enough);
 - `affinity`: to the replica a hash of the conversation's opening picks (pure prefix affinity).
 
-Each (round, policy) run gets its own system prompt and documents, so no run finds another's prefixes
+One long conversation opening per replica warms the engines first (not recorded). Each (round,
+policy) run gets its own system prompt and documents, so no run finds another's prefixes
 cached; the policies run interleaved, rotating the order each round, so each sees the same machine
 load on average. Reported per policy, over every request of every round: TTFT p50/p95 measured by the
 client (send to first content token), the share of prompt tokens the engines served from their
@@ -214,6 +215,12 @@ async def router_decisions(router: str) -> dict[str, float]:
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="routing-") as tmp:
         async with fleet(args, Path(tmp)) as (proxies, router):
+            # Warm-up, not recorded: the first long prompt an engine sees runs slower than the rest
+            # (allocations, first-use paths), and whichever policy ran first would pay for it.
+            warm = conversations("warm-up", n=len(proxies), doc_tokens=args.doc_tokens, seed=args.seed)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+                await asyncio.gather(*(stream_chat(client, url, messages, max_tokens=args.max_tokens, retries=0)
+                                       for url, messages in zip(proxies, warm, strict=True)))
             by_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
             per_round: list[dict[str, Any]] = []
             for rnd in range(args.rounds):
