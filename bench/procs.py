@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -37,9 +37,11 @@ def decodectl(*args: str) -> list[str]:
 class ChildServer:
     """One child HTTP server with its output in a log file."""
 
-    def __init__(self, *, name: str, argv: Sequence[str], url: str, log_path: Path, grace_s: float = 10.0) -> None:
+    def __init__(self, *, name: str, argv: Sequence[str], url: str, log_path: Path, grace_s: float = 10.0,
+                 env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.argv = list(argv)
+        self.env = dict(env) if env is not None else None  # added to this process's environment
         self.url = url
         self.log_path = log_path
         self.grace_s = grace_s
@@ -54,8 +56,9 @@ class ChildServer:
         with self.log_path.open("ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
+            env = {**os.environ, **self.env} if self.env is not None else None
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, env=env)
 
     def tail(self, lines: int = 20) -> str:
         try:

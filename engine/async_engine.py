@@ -123,8 +123,7 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver(outputs)
         except BaseException as exc:
             self.dead_error = exc
             dead = EngineDeadError(f"the engine loop has died: {exc!r}")
@@ -155,10 +154,24 @@ class AsyncEngine:
                 continue
             self._sinks[command.request_id] = command
 
-    def _deliver(self, out: RequestOutput) -> None:
-        add = self._sinks.get(out.request_id)
-        if add is None:
-            return
-        if out.finished:
-            del self._sinks[out.request_id]
-        add.loop.call_soon_threadsafe(add.sink.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs reach each event loop in one call: one wake-up of the loop per step, not one
+        per stream (each wake-up is a write to the loop's self-pipe and a turn of the loop)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
+        for out in outputs:
+            add = self._sinks.get(out.request_id)
+            if add is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            by_loop.setdefault(add.loop, []).append((add.sink, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+_Sink = asyncio.Queue[RequestOutput | BaseException]
+
+
+def _put_all(items: list[tuple[_Sink, RequestOutput]]) -> None:
+    for sink, out in items:
+        sink.put_nowait(out)

@@ -36,7 +36,7 @@ from decodeservice.engine.server.protocol import (
     from_validation_error,
 )
 from decodeservice.engine.server.settings import ServerSettings
-from decodeservice.engine.server.streaming import DONE, EventStreamResponse, sse
+from decodeservice.engine.server.streaming import DONE, EventStreamResponse, sse, text_event_encoder
 from decodeservice.serving.body import read_body
 from decodeservice.serving.errors import (
     BadRequest,
@@ -254,12 +254,17 @@ async def _events(gen: Generation, *, include_usage: bool, want_logprobs: bool) 
     tok = gen.aengine.tokenizer
     offset = 0
     final: RequestOutput | None = None
+    text_event = text_event_encoder(lambda text: fmt.chunk(meta, text=text, include_usage_field=include_usage))
     try:
         if chat:
             yield sse(fmt.chunk(meta, text="", role=True, include_usage_field=include_usage))
         async with aclosing(gen.outputs()) as outputs:
             async for out in outputs:
                 final = out
+                if out.new_text and not out.finished and not want_logprobs:
+                    offset += len(out.new_text)
+                    yield text_event(out.new_text)  # most chunks: text alone
+                    continue
                 entries = (out.new_logprobs or []) if want_logprobs else []
                 if not (out.new_text or out.finished or entries):
                     continue  # the detokenizer is holding text back (partial character or stop string)

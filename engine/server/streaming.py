@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -20,6 +20,20 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+_SLOT = "\x00slot\x00"  # JSON escapes control characters, so its encoding cannot occur by chance
+_SLOT_JSON = json.dumps(_SLOT).encode()
+
+
+def text_event_encoder(make: Callable[[str], dict[str, Any]]) -> Callable[[str], bytes]:
+    """`text -> sse(make(text))` with everything but the text serialized once: a stream's chunks differ
+    only in their text, and each token would otherwise rebuild and encode the whole envelope."""
+    head, slot, tail = sse(make(_SLOT)).partition(_SLOT_JSON)
+    if not slot or _SLOT_JSON in tail:
+        return lambda text: sse(make(text))
+    dumps = json.JSONEncoder(ensure_ascii=False).encode
+    return lambda text: head + dumps(text).encode() + tail
 
 
 class EventStreamResponse(StreamingResponse):

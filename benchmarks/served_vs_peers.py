@@ -1,0 +1,377 @@
+"""The engine as users call it: `decodectl engine` over HTTP vs vLLM's and llama.cpp's servers, with the
+same engine in-process as the breakdown (what the server costs). JSON out.
+
+    .venv/bin/python -P benchmarks/served_vs_peers.py [--rounds 3] [--lanes engine,in_process,vllm,llama_cpp]
+        [--vllm-python PATH --vllm-model HF_DIR] [--llama-server PATH] [--out FILE]
+
+One client for every server (`decodectl bench`'s, bench/client.py): streamed chat, `temperature: 0`,
+`ignore_eos: true`, a final usage chunk. The workload, per lane and round:
+- one stream at a time (`--singles` requests): TTFT (send to first content chunk) and decode tokens/s
+  ((output tokens - 1) / (end - first chunk)); medians over the requests;
+- `--streams` requests sent at once: output tokens/s (all output tokens / first send to last end) and
+  the TTFT median over the streams.
+Every request's prompt is a ~`--prompt-tokens`-token chat message that starts with a fresh random tag, so
+no server finds a cached prefix. All servers are up for the whole run (idle ones wait on a socket) and
+the rounds interleave the lanes, rotating their order, so each round sees one state of a shared machine;
+figures are medians over rounds, and each ratio is kept per round as well.
+
+The `in_process` lane is the default engine driven directly (`Engine.add_request` / `step`) in a child
+process that takes the same messages: the same template, the same clocks, no HTTP. served / in-process is
+what the server costs. The CPU dispatch is the environment's: run once as is and once with
+`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`; the children inherit it,
+and the JSON records what torch reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from decodeservice.bench.client import BenchRequest, send
+from decodeservice.bench.metrics import RequestRecord
+from decodeservice.bench.procs import ChildServer, decodectl, free_port
+
+MODEL = "smollm2-135m"
+ARTICLE = (
+    "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
+    "lines, extends the tram to the northern districts, and replaces the oldest diesel buses with electric "
+    "ones over the next five years. Supporters said the changes would cut commuting times and air "
+    "pollution, while critics worried about the cost, estimated at 240 million euros, and about "
+    "construction noise in residential streets. The mayor promised a public consultation in the spring "
+    "and said that ticket prices would not rise before 2027. "
+)
+# vLLM's CPU docs: bind its OpenMP threads to the cores (here every one), its KV cache sized by the flag.
+# PYTHONSAFEPATH: run from the checkout, whose operator/ folder would shadow the standard library's.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "PYTHONSAFEPATH": "1"}
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+# -- the prompt -------------------------------------------------------------------------------------
+def build_body(target_tokens: int) -> str:
+    """The message body whose chat rendering (with a tag) is about `target_tokens` tokens."""
+    from decodeservice.engine.loader import ensure_model
+    from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
+
+    tok = read_gguf_tokenizer(ensure_model(MODEL, progress=False))
+    words = (ARTICLE * (target_tokens // 50 + 2)).split(" ")
+    body = ""
+    for end in range(1, len(words) + 1):
+        body = " ".join(words[:end])
+        text = tok.apply_chat_template([{"role": "user", "content": message(body, "0" * 32)}])
+        if len(tok.encode(text, add_special_tokens=False)) >= target_tokens:
+            break
+    return body
+
+
+def message(body: str, tag: str) -> str:
+    # The tag comes first, so no two requests share a cached prefix past the template's few tokens.
+    return f"[{tag}] Summarize the following report in three sentences.\n\n{body}"
+
+
+def fresh(body: str, max_tokens: int) -> BenchRequest:
+    return BenchRequest(id=uuid.uuid4().hex, max_tokens=max_tokens,
+                        messages=(("user", message(body, uuid.uuid4().hex)),))
+
+
+# -- the clocks -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Timed:
+    ttft: float
+    decode: float  # tokens/s after the first
+    tokens: int
+    start: float
+    end: float
+
+
+def timed(record: RequestRecord) -> Timed:
+    if not record.ok or record.ttft is None:
+        raise RuntimeError(f"a request failed: {record.error}")
+    first = record.chunk_times[0]
+    return Timed(ttft=record.ttft, decode=(record.output_tokens - 1) / max(record.end - first, 1e-9),
+                 tokens=record.output_tokens, start=record.start, end=record.end)
+
+
+def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> dict[str, Any]:
+    wall = max(t.end for t in burst) - min(t.start for t in burst)
+    short = [t.tokens for t in singles + burst if t.tokens != output_tokens]
+    return {"ttft_s": statistics.median(t.ttft for t in singles),
+            "decode_tokens_per_s": statistics.median(t.decode for t in singles),
+            "streams_output_tokens_per_s": sum(t.tokens for t in burst) / wall,
+            "streams_ttft_p50_s": statistics.median(t.ttft for t in burst),
+            "streams_wall_s": wall,
+            **({"wrong_output_lengths": short} if short else {})}
+
+
+# -- lanes ------------------------------------------------------------------------------------------
+class HttpLane:
+    def __init__(self, name: str, server: ChildServer, ready_path: str) -> None:
+        self.name, self.server, self.ready_path = name, server, ready_path
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0),
+                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    async def start(self, timeout_s: float) -> None:
+        self.server.start()
+        await self.server.wait_ready(timeout_s=timeout_s, path=self.ready_path)
+
+    async def run(self, requests: list[BenchRequest]) -> list[Timed]:
+        records = await asyncio.gather(*(send(self.client, url=self.server.url, model=MODEL, request=r)
+                                         for r in requests))
+        return [timed(r) for r in records]
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.stop()
+
+
+class InProcessLane:
+    """The engine in a child process (this file with --child), fed the same messages over a pipe."""
+
+    name = "in_process"
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+
+    async def start(self, timeout_s: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-P", __file__, "--child"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.info = await asyncio.to_thread(self._read)
+
+    def _read(self) -> Any:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the in-process child exited")
+        return json.loads(line)
+
+    async def run(self, requests: list[BenchRequest]) -> list[Timed]:
+        assert self.proc is not None and self.proc.stdin is not None
+        batch = [{"messages": [{"role": r, "content": c} for r, c in req.messages or ()],
+                  "max_tokens": req.max_tokens} for req in requests]
+        self.proc.stdin.write(json.dumps(batch) + "\n")
+        self.proc.stdin.flush()
+        return [Timed(**t) for t in await asyncio.to_thread(self._read)]
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def child() -> int:
+    """Serve batches from stdin: add them all at once, step to the end, report each one's clocks.
+
+    The steps run on a thread of their own, as the server's engine loop does: here (AMD EPYC, 2 cores,
+    load average 10-14) torch ops issued from the main thread with 2 OpenMP threads ran 20-30x slower than
+    the same ops from a second thread (OMP_WAIT_POLICY=passive or 1 thread removed the gap), which
+    would make the in-process lane a broken baseline rather than the engine's own speed."""
+    import queue
+    import threading
+
+    import torch
+
+    from decodeservice.engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(MODEL)  # the defaults `decodectl engine` serves with
+    print(json.dumps({"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                      "torch_threads": torch.get_num_threads(), "weights": engine.model.weight_format,
+                      "activations": str(engine.dtype).removeprefix("torch."),
+                      "steps_on": "a second thread, as the server's engine loop"}), flush=True)
+
+    def run_batch(batch: list[dict[str, Any]]) -> list[dict[str, float]]:
+        start: dict[str, float] = {}
+        first: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        for item in batch:
+            start_s = time.perf_counter()
+            text = engine.tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True)
+            prompt = engine.encode_prompt(text, add_special_tokens=False)
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=item["max_tokens"], temperature=0.0,
+                                                            ignore_eos=True))
+            start[rid] = start_s
+        end: dict[str, float] = {}
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                if out.new_text and out.request_id not in first:
+                    first[out.request_id] = now  # as the client sees it: the first chunk with text
+                if out.finished:
+                    end[out.request_id], tokens[out.request_id] = now, out.num_output_tokens
+        return [{"ttft": first[r] - start[r], "decode": (tokens[r] - 1) / max(end[r] - first[r], 1e-9),
+                 "tokens": tokens[r], "start": start[r], "end": end[r]} for r in start]
+
+    batches: queue.SimpleQueue[list[dict[str, Any]] | None] = queue.SimpleQueue()
+
+    def loop() -> None:
+        while (batch := batches.get()) is not None:
+            print(json.dumps(run_batch(batch)), flush=True)
+
+    worker = threading.Thread(target=loop, name="engine-steps")
+    worker.start()
+    for line in sys.stdin:
+        batches.put(json.loads(line))
+    batches.put(None)
+    worker.join()
+    return 0
+
+
+def make_lanes(args: argparse.Namespace, logs: Path) -> tuple[list[Any], dict[str, str]]:
+    lanes: list[Any] = []
+    skipped: dict[str, str] = {}
+    for name in args.lanes.split(","):
+        if name == "in_process":
+            lanes.append(InProcessLane())
+        elif name == "engine":
+            port = free_port()
+            argv = decodectl("engine", "--model", MODEL, "--port", str(port), *args.engine_args.split())
+            lanes.append(HttpLane(name, ChildServer(name=name, argv=argv, url=f"http://127.0.0.1:{port}",
+                                                    log_path=logs / "engine.log"), "/ready"))
+        elif name == "vllm":
+            if not (args.vllm_python and Path(args.vllm_python).exists() and args.vllm_model
+                    and Path(args.vllm_model).is_dir()):
+                skipped[name] = (f"no vLLM: --vllm-python {args.vllm_python!r} / --vllm-model {args.vllm_model!r} "
+                                 "not found (scripts/vllm_lane.sh makes both)")
+                continue
+            port = free_port()
+            # The server module and the KV flag the operator renders for vLLM's CPU build (operator/engines.py).
+            argv = [args.vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", args.vllm_model,
+                    "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                    "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30)]
+            lanes.append(HttpLane(name, ChildServer(name=name, argv=argv, url=f"http://127.0.0.1:{port}",
+                                                    log_path=logs / "vllm.log", env=VLLM_ENV), "/health"))
+        elif name == "llama_cpp":
+            binary = args.llama_server or shutil.which("llama-server")
+            if binary is None:
+                skipped[name] = "no llama-server binary (not on PATH, no --llama-server): llama.cpp is not built here"
+                continue
+            from decodeservice.engine.loader import ensure_model
+
+            port = free_port()
+            argv = [binary, "-m", str(ensure_model(MODEL, progress=False)), "--alias", MODEL, "--host", "127.0.0.1",
+                    "--port", str(port), "-t", str(os.cpu_count() or 1), "-np", str(args.streams),
+                    "-c", str(args.streams * 1024), "-cb"]
+            lanes.append(HttpLane(name, ChildServer(name=name, argv=argv, url=f"http://127.0.0.1:{port}",
+                                                    log_path=logs / "llama_cpp.log"), "/health"))
+        else:
+            raise SystemExit(f"unknown lane {name!r}")
+    return lanes, skipped
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def ratios(lanes: dict[str, dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    keys = ("ttft_s", "decode_tokens_per_s", "streams_output_tokens_per_s", "streams_ttft_p50_s")
+    for num, den in (("engine", "in_process"), ("engine", "vllm"), ("engine", "llama_cpp"), ("in_process", "vllm")):
+        if num in lanes and den in lanes:
+            for key in keys:
+                out[f"{num}/{den} {key}"] = lanes[num][key] / lanes[den][key]
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    body = build_body(args.prompt_tokens)
+    report: dict[str, Any] = {
+        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
+        "env": {k: os.environ[k] for k in AVX2_CAPS if k in os.environ},
+        "vllm_env": VLLM_ENV,
+        "workload": {"prompt_tokens_target": args.prompt_tokens, "output_tokens": args.output_tokens,
+                     "singles": args.singles, "streams": args.streams, "rounds": args.rounds,
+                     "engine_args": args.engine_args},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        lanes, skipped = make_lanes(args, Path(args.logs or tmp))
+        report["skipped"] = skipped
+        per_round: list[dict[str, dict[str, Any]]] = []
+        try:
+            for lane in lanes:
+                await lane.start(args.start_timeout_s)
+                await lane.run([fresh(body, 8)])  # warm-up: allocations, first-call paths
+            report["in_process_engine"] = next((lane.info for lane in lanes if isinstance(lane, InProcessLane)), None)
+            for index in range(args.rounds):
+                order = lanes[index % len(lanes):] + lanes[:index % len(lanes)]
+                results: dict[str, dict[str, Any]] = {}
+                for lane in order:
+                    singles = [(await lane.run([fresh(body, args.output_tokens)]))[0] for _ in range(args.singles)]
+                    burst = await lane.run([fresh(body, args.output_tokens) for _ in range(args.streams)])
+                    results[lane.name] = summarize(singles, burst, args.output_tokens)
+                    print(f"round {index + 1} {lane.name}: {json.dumps(results[lane.name])}", file=sys.stderr)
+                per_round.append(results)
+        finally:
+            for lane in lanes:
+                await lane.stop()
+    names = list(per_round[0]) if per_round else []
+    report["lanes"] = {name: {key: statistics.median(r[name][key] for r in per_round)
+                              for key in per_round[0][name] if key != "wrong_output_lengths"} for name in names}
+    report["rounds"] = per_round
+    report["ratios"] = ratios(report["lanes"])
+    by_round = [ratios(r) for r in per_round]
+    report["ratios_by_round"] = {key: [r[key] for r in by_round] for key in report["ratios"]}
+    return report
+
+
+def vllm_lane_paths() -> dict[str, str]:
+    script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_lane.sh"
+    if not script.exists():
+        return {}
+    out = subprocess.run(["bash", str(script), "--print-paths"], capture_output=True, text=True, check=False).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--lanes", default="engine,in_process,vllm,llama_cpp")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--singles", type=int, default=3, help="one-at-a-time requests per lane and round")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=490)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--engine-args", default="", help="extra `decodectl engine` flags (default: none)")
+    lane_paths = vllm_lane_paths()
+    parser.add_argument("--vllm-python", default=lane_paths.get("VLLM_PYTHON"),
+                        help="default: scripts/vllm_lane.sh --print-paths (the venv it installs vllm-cpu into)")
+    parser.add_argument("--vllm-model", default=lane_paths.get("VLLM_MODEL_DIR"),
+                        help="the bundled model as a HF folder (default: the one scripts/vllm_lane.sh converts)")
+    parser.add_argument("--llama-server", default=None)
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("--logs", help="folder for the servers' logs (default: a temporary one)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child()
+    # `timeout` and Ctrl-C end the run through the `finally` that stops every server it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    report = asyncio.run(run(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
