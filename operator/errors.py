@@ -35,13 +35,16 @@ class ChildConflictError(OperatorError):
 
 
 class WorkloadUnavailableError(OperatorError):
-    """The cluster cannot take the workload kind a spec needs (a multi-node service's LeaderWorkerSet): its
-    API is not served, or the operator may not write it. Ready=False with `reason`; retried later, since
-    an admin may install LWS or upgrade the chart's RBAC without the spec changing."""
+    """The cluster cannot take the workload kind a spec needs (a multi-node service's LeaderWorkerSet, a
+    routed service's router RBAC): its API is not served, or the operator may not write it. Ready=False
+    with `reason` and Progressing=False with `progress`; retried later, since an admin may install LWS or
+    upgrade the chart's RBAC without the spec changing."""
 
-    def __init__(self, message: str, *, reason: str) -> None:
+    def __init__(self, message: str, *, reason: str,
+                 progress: str = "waiting for the cluster to serve the LeaderWorkerSet API") -> None:
         super().__init__(message)
         self.reason = reason
+        self.progress = progress
 
 
 class ApiError(OperatorError):

@@ -166,8 +166,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             # Not the spec's fault and not a crash loop: say so, and look again at the slowest retry pace
             # (installing LWS or upgrading the chart's RBAC takes an admin, not a second).
             patch["status"] = invalid_status(name=name, generation=generation, reason=exc.reason, message=str(exc),
-                                             previous=previous, progress="waiting for the cluster to serve the "
-                                             "LeaderWorkerSet API")
+                                             previous=previous, progress=exc.progress)
             logger.warning(f"{exc.reason}: {exc}")
             raise kopf.TemporaryError(str(exc), delay=config.retry_max_seconds) from exc
         except ApiError as exc:

@@ -239,8 +239,20 @@ async def apply_children(client: KubeClient, children: Children, *, owner_uid: s
     workload = await _apply_workload(client, children, owner_uid=owner_uid, namespace=namespace, name=name)
     # The Service last of these: when routing turns on, it selects the routers only once they exist.
     later = (children.config_map, children.workload, children.inference_pool, children.service)
+    routing = children.router.all() if children.router is not None else []
+    for obj in routing:
+        try:
+            await apply_child(client, obj, owner_uid=owner_uid)
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            # A chart from before the router: the Service is not switched, so the pods keep serving.
+            raise WorkloadUnavailableError(
+                f"routing mode router needs the operator to write serviceaccounts, roles and rolebindings and to "
+                f"read endpointslices; upgrade the chart (its RBAC grants that): {exc}", reason="RouterForbidden",
+                progress="waiting for the operator's RBAC to cover the router") from exc
     for obj in children.all():
-        if any(obj is o for o in later):
+        if any(obj is o for o in later) or any(obj is o for o in routing):
             continue  # applied above; the pool last, and only where its CRD is installed
         await apply_child(client, obj, owner_uid=owner_uid)
     await apply_child(client, children.service, owner_uid=owner_uid)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
+from kmock import action
 
 from decodeservice.operator.autoscaler.controller import AutoscalingConfig
 from decodeservice.operator.autoscaler.scrape import ScrapeSettings
@@ -250,3 +251,24 @@ async def test_leaving_router_mode_removes_the_routers_children(operator: Cluste
                            what="the router's children deleted")
     # The Service was pointed back at the pods before the routers went.
     assert (cluster.get(SERVICES, "switch") or {})["spec"]["selector"] == selector_labels("switch")
+
+
+async def test_an_operator_without_the_routers_rbac_says_so_and_retries(operator: Cluster) -> None:
+    cluster = operator
+    for _ in range(1000):  # every read of a ServiceAccount is forbidden, as with a chart from before the router
+        cluster.server.reject_next(action.FETCH, SERVICE_ACCOUNTS, 403)
+    body = service("old-chart")
+    body["spec"]["autoscaling"].update(mode="external", minReplicas=1)
+    await cluster.create(body)
+
+    def ready() -> dict[str, Any]:
+        return next((c for c in status(cluster, "old-chart").get("conditions") or [] if c["type"] == "Ready"), {})
+
+    await cluster.wait_for(lambda: ready().get("reason") == "RouterForbidden", what="Ready=False RouterForbidden")
+    assert ready()["status"] == "False" and "upgrade the chart" in ready()["message"]
+    assert cluster.get(DEPLOYMENTS, "old-chart-router") is None
+    assert cluster.get(SERVICES, "old-chart") is None  # never pointed at routers that cannot exist
+    cluster.server.clear_rejections()  # the chart is upgraded: the next retry goes through
+    await cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "old-chart-router") and cluster.get(SERVICES, "old-chart"),
+                           what="the router applied after the upgrade")
+    await cluster.wait_for(lambda: ready().get("reason") != "RouterForbidden", what="RouterForbidden cleared")

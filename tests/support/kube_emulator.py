@@ -84,6 +84,10 @@ class ApiServer(KubernetesEmulator):
         answer after the emulator stored the write, which models a lost response instead)."""
         self._rejections.append((verb, resource(res), status))
 
+    def clear_rejections(self) -> None:
+        """Forget the rejections not yet used: the requests go through again."""
+        self._rejections.clear()
+
     async def _handle(self, request: kmock.Request) -> Any:
         for rejection in self._rejections:
             verb, res, status = rejection
