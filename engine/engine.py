@@ -138,6 +138,9 @@ class Engine:
                                   num_layers=cfg.num_layers, dtype=self.dtype, block_size=block_size, native=native)
         backend.matmul_from = choice.min_context
         backend.decode_kernel = native if choice.native_decode else None
+        # Prompt spans take the kernel wherever it is built, measured faster or not: a prefix hit must
+        # compute what the miss computed (paged_views.py's docstring).
+        backend.prompt_kernel = native
         if self.kv_dtype == torch.int8 and native is not None:
             # Measured against bf16 pools; over int8 pools the torch paths read a dequantized copy of every
             # key, so the kernel, which reads the rows in place, is the only fast decode.
@@ -412,8 +415,8 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     model.tie_weights()
     model.load_hf_weights(weights, int4=int4, weight_format=precision.weights, w8a8=config.w8a8)
     model.rotary.reset_tables(config.device)
+    model.share_step_rows()  # the quantized modules that replaced the projections too
     if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
-        model.share_step_rows()
         model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
                                                                              reason=precision.reason))
     return model.eval()

@@ -32,6 +32,7 @@ from decodeservice.engine.quant.linear import (
     Int8Linear,
     RowPlanned,
     StepRows,
+    tiled_linear,
 )
 from decodeservice.engine.quant.w8a8 import quantize_int8
 
@@ -58,15 +59,23 @@ class Linear(nn.Linear):
     and a single row faster than `F.linear` too (`benchmarks/spec_decode.py` has the figures)."""
 
     packed: torch.Tensor | None = None
+    step_rows: StepRows = StepRows()  # the model's own once it shares one (LlamaModel.share_step_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed; and no hooks, so no hook dispatch
         return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step_rows.run(x, prompt=self._tiled, other=self._plain, out_features=self.out_features)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
             return out
         return F.linear(x, self.weight)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows, computed as in any call of whole ROW_TILEs (linear.StepRows)."""
+        return tiled_linear(x, self._plain)
 
     def pack_for_cpu(self, *, keep_plain: bool) -> bool:
         """Pack the weight for oneDNN; False (and unchanged) where unsupported.
@@ -244,8 +253,9 @@ class LlamaModel(nn.Module):
             head.weight = embed.weight
         self.lm_head: Projection = head
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors)
-        # What the running step holds, for the quantized modules' row plans (set by the runner).
+        # What the running step holds, for the projections' row plans (set by the runner).
         self.step_rows = StepRows()
+        self.share_step_rows()
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -258,9 +268,9 @@ class LlamaModel(nn.Module):
         return "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, Int8Linear) else "none"
 
     def share_step_rows(self) -> None:
-        """Point every quantized module at this model's StepRows."""
+        """Point every projection at this model's StepRows."""
         for module in self.modules():
-            if isinstance(module, RowPlanned):
+            if isinstance(module, (RowPlanned, Linear)):
                 module.step_rows = self.step_rows
 
     def tie_weights(self) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,12 +127,13 @@ class ModelRunner:
         batch, row_counts = self.build_batch(plan.scheduled)
         forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
         # Prompt chunks only (no sequence decodes or verifies its last token): see linear.StepRows.
-        self.model.step_rows.prompt_only = all(
-            item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in plan.scheduled)
+        step_rows = self.model.step_rows
+        step_rows.prompt_only = all(item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in plan.scheduled)
+        step_rows.prompt_rows, step_rows.other_rows = _prompt_rows(batch.attn.meta.spans, device=self.device)
         try:
             hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
         finally:
-            self.model.step_rows.prompt_only = False
+            step_rows.prompt_only, step_rows.prompt_rows, step_rows.other_rows = False, None, None
         return _split(self.model.compute_logits(hidden), row_counts, plan)
 
     def _warm_up(self) -> None:
@@ -197,7 +200,8 @@ class ModelRunner:
             spans.append(SequenceSpan(
                 token_start=start, num_new=count, context_len=context,
                 runs=slot_runs(table, num_tokens=context, block_size=bs),
-                block_table=torch.tensor(table, dtype=torch.long, device=self.device)))
+                block_table=torch.tensor(table, dtype=torch.long, device=self.device),
+                prompt=item.num_spec_tokens == 0 and (count > 1 or first < seq.num_prompt_tokens)))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  spans=tuple(spans), block_size=bs)
         batch = ForwardBatch(
@@ -207,6 +211,17 @@ class ModelRunner:
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=self.device),
         )
         return batch, row_counts
+
+
+def _prompt_rows(spans: Seq[SequenceSpan], *, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The step's prompt rows and its other rows (linear.StepRows): (None, None) without prompt rows,
+    (all, None) with nothing else."""
+    prompt = [i for s in spans if s.prompt for i in range(s.token_start, s.token_start + s.num_new)]
+    if not prompt:
+        return None, None
+    other = [i for s in spans if not s.prompt for i in range(s.token_start, s.token_start + s.num_new)]
+    as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    return as_tensor(prompt), as_tensor(other) if other else None
 
 
 def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> StepLogits:

@@ -33,6 +33,10 @@ class SequenceSpan:
     context_len: int  # L = cached + new
     runs: tuple[SlotRun, ...]  # cover keys 0 .. L - 1 in order (the new ones are written first)
     block_table: torch.Tensor  # (ceil(L / block_size),) block ids on the device, for gathering backends
+    # Prompt rows (a chunk, a prefix hit's tail, a preempted sequence's recompute): where its tokens were
+    # split into chunks and how much of them the prefix cache held must not change what any row computes,
+    # so the CPU backend gives each such row the same function (native_decode.py's row per token).
+    prompt: bool = False
 
     @property
     def num_cached(self) -> int:

@@ -80,13 +80,15 @@ def paged_decode_int8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     return out
 
 
-def build_decode_group(spans: Seq[SequenceSpan], *, device: torch.device, max_new: int = 1) -> DecodeGroup | None:
-    """Every span of the step with at most `max_new` new tokens, one kernel row per token, or None.
+def build_decode_group(spans: Seq[SequenceSpan], *, device: torch.device, max_new: int = 1,
+                       prompts: bool = False) -> DecodeGroup | None:
+    """Every span of the step with at most `max_new` new tokens (0: none), and with `prompts` every prompt
+    span whatever its length, one kernel row per token, or None.
 
     A span's token i sees its first context_len - num_new + i + 1 keys: the step's own K/V are in the pool
     before attention reads it, so a verify's tokens are decodes over growing prefixes of one table, each
     computed exactly as a plain decode at that position would be."""
-    chosen = [i for i, s in enumerate(spans) if 1 <= s.num_new <= max_new]
+    chosen = [i for i, s in enumerate(spans) if 1 <= s.num_new <= max_new or (prompts and s.prompt)]
     if not chosen:
         return None
     members = [spans[i] for i in chosen]

@@ -13,6 +13,12 @@ for two GEMMs over the same views (decode_matmul.py: the kernel is slow for so f
 Where the engine measured it faster (context_plan.py), every decode and verify of a step (up to
 native_decode.MAX_NEW new tokens, a kernel row each) goes through the native paged-decode kernel
 instead, in one call per layer (native_decode.py).
+Wherever that kernel is built, every prompt span takes it too, whatever is measured for decodes: a row
+per token over its own prefix, read from the pool (its own K/V as the pool holds them), in an order that
+depends only on the row's position. So a prompt row computes the same function whether its prompt was
+a cache miss or a hit of any number of blocks, and however it was chunked: the SDPA over a whole fresh
+prompt and the merge of a cached prefix with a fresh piece round differently (in bf16 they moved the
+next token's logprobs by up to ~1 nat on the bundled model; benchmarks/prefix_consistency.py).
 """
 
 from __future__ import annotations
@@ -169,6 +175,9 @@ class PagedViewsBackend:
         # Spans of up to this many new tokens (decodes and verifies) take the native kernel, a row per
         # token; longer ones the torch paths. 1: decodes only (an A/B baseline).
         self.kernel_max_new = native_decode.MAX_NEW
+        # The same kernel for every prompt span (see the module's docstring), set by the engine wherever it
+        # is built, whether or not decodes take it; None: prompts take the torch paths.
+        self.prompt_kernel: ModuleType | None = None
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
         # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
@@ -176,8 +185,10 @@ class PagedViewsBackend:
         gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
         max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         device = meta.slot_mapping.device
-        decodes = (build_decode_group(meta.spans, device=device, max_new=self.kernel_max_new)
-                   if self._native(dtype) else None)
+        prompts = self.prompt_kernel is not None and dtype in native_decode.DTYPES
+        decodes = (build_decode_group(meta.spans, device=device, max_new=self.kernel_max_new if self._native(dtype) else 0,
+                                      prompts=prompts)
+                   if self._native(dtype) or prompts else None)
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
         if self.kv_int8:
             return PagedViewsMetadata(**fields, decode_group=decodes)
@@ -189,6 +200,10 @@ class PagedViewsBackend:
 
     def _native(self, dtype: torch.dtype) -> bool:
         return self.decode_kernel is not None and dtype in native_decode.DTYPES
+
+    def _kernel(self) -> ModuleType | None:
+        """The built kernel, for the step's decode group (decodes, verifies and prompt spans)."""
+        return self.decode_kernel if self.decode_kernel is not None else self.prompt_kernel
 
     def _single_run(self, meta: AttentionMetadata, dtype: torch.dtype) -> SlotRun | None:
         """The run a single stream's one-token decode reads (_single_run_decode), else None."""
@@ -208,10 +223,11 @@ class PagedViewsBackend:
         single_run = planned.single_run if planned is not None else None
         if single_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             return _single_run_decode(q, k_cache, v_cache, single_run)
-        decodes = planned.decode_group if planned is not None and self.decode_kernel is not None else None
+        kernel = self._kernel()
+        decodes = planned.decode_group if planned is not None and kernel is not None else None
         if decodes is not None:
-            assert self.decode_kernel is not None
-            decoded = decodes.attend(q, k_cache, v_cache, module=self.decode_kernel)  # (B, H, D)
+            assert kernel is not None
+            decoded = decodes.attend(q, k_cache, v_cache, module=kernel)  # (B, H, D)
             if len(decodes.span_indices) == len(meta.spans) and decodes.covers_all_in_order:
                 return decoded  # every token of the step is a decode
         k_flat = k_cache.view(-1, *k_cache.shape[2:])  # (num_slots, Hkv, D)
@@ -245,10 +261,11 @@ class PagedViewsBackend:
         other span (prompt chunks, verifies, decodes where the kernel is missing) over a dequantized copy of
         its cached keys. The copy costs about what a bf16 pool's read does, and those spans are few and short-lived."""
         out = torch.empty_like(q)  # (N, H, D)
-        decodes = planned.decode_group if planned is not None and self.decode_kernel is not None else None
+        kernel = self._kernel()
+        decodes = planned.decode_group if planned is not None and kernel is not None else None
         if decodes is not None:
-            assert self.decode_kernel is not None
-            decoded = decodes.attend(q, k_cache, v_cache, module=self.decode_kernel)  # (B, H, D)
+            assert kernel is not None
+            decoded = decodes.attend(q, k_cache, v_cache, module=kernel)  # (B, H, D)
             if len(decodes.span_indices) == len(meta.spans) and decodes.covers_all_in_order:
                 return decoded
             out[decodes.token_index] = decoded

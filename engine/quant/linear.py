@@ -9,6 +9,7 @@ activations are fp32 (a CPU without native bf16, see kernel_plan.py) the rows ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -56,14 +57,53 @@ DOT_MIN_WEIGHTS = 1 << 16
 # checks that every persistent tensor was loaded.
 
 
+# GEMM libraries pick their kernels by the number of rows, and a row's sums come out in another order
+# under another kernel (fp32 MKL: a row of a 1-3, 5-7 or 9-11-row call differed from the same row in a
+# longer one; oneDNN's packed fp32 at 1 row; AMD EPYC, AVX-512 and AVX2 dispatches alike). Prompt rows'
+# dense calls are padded to a multiple of this many rows, so each row is computed as in any other such call.
+ROW_TILE = 16
+
+
+def tiled_linear(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`linear` of (M, K) rows, called on them padded with zero rows to a multiple of ROW_TILE."""
+    pad = -x.shape[0] % ROW_TILE
+    if not pad:
+        return linear(x)
+    return linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]))[: x.shape[0]]
+
+
 @dataclass
 class StepRows:
-    """What the forward running now holds, shared by a model's quantized modules (LlamaModel.step_rows,
-    set by the runner every step). `prompt_only`: prompt rows only, no decode or verify row, so the
-    dense path may take a chunk of fewer than DENSE_MIN_ROWS rows (a prompt's last chunk, often short)
-    where it measured faster: no decoded token's numerics depend on it."""
+    """What the forward running now holds, shared by a model's projections (LlamaModel.step_rows, set by
+    the runner every step).
+
+    `prompt_only`: prompt rows only, no decode or verify row, so the dense path may take a chunk of fewer
+    than DENSE_MIN_ROWS rows (a prompt's last chunk, often short) where it measured faster: no decoded
+    token's numerics depend on it.
+
+    `prompt_rows` / `other_rows`: where the step holds prompt rows (attention.SequenceSpan.prompt), their
+    indices and the others'. A prompt row must compute the same function whatever the number of rows it
+    came with: a prefix-cache hit leaves a short tail of the prompt where the miss ran it in one long
+    chunk, so a path chosen by the call's row count (the weight-only kernel for a few rows, a dense GEMM
+    for many) gave the hit other numbers than the miss. Prompt rows take one path (RowPlanned.prompt_path),
+    and the step's other rows, split off, keep theirs."""
 
     prompt_only: bool = False
+    prompt_rows: torch.Tensor | None = None  # (P,) row indices; None: the step holds no prompt row
+    other_rows: torch.Tensor | None = None  # (N - P,); None: every row is a prompt row (or none is)
+
+    def run(self, flat: torch.Tensor, *, prompt: Callable[[torch.Tensor], torch.Tensor],
+            other: Callable[[torch.Tensor], torch.Tensor], out_features: int) -> torch.Tensor:
+        """(N, K) -> (N, out_features): prompt rows through `prompt`, the others through `other`."""
+        if self.prompt_rows is None or flat.shape[0] != self.prompt_rows.shape[0] + (
+                0 if self.other_rows is None else self.other_rows.shape[0]):
+            return other(flat)  # no prompt row, or a call over other rows than the step's (the head)
+        if self.other_rows is None:
+            return prompt(flat)
+        out = flat.new_empty(flat.shape[0], out_features)
+        out[self.prompt_rows] = prompt(flat.index_select(0, self.prompt_rows))
+        out[self.other_rows] = other(flat.index_select(0, self.other_rows))
+        return out
 
 
 
@@ -99,14 +139,29 @@ class RowPlanned(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., K) -> (..., N); the kernels take 2-D contiguous rows
         flat = x.reshape(-1, self.in_features).contiguous()
+        out = self.step_rows.run(flat, prompt=self.prompt_path, other=self.by_rows, out_features=self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def by_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Decode and verify rows: the path this machine's plan gives their count."""
         rows = flat.shape[0]
         if self.w8a8_from is not None and rows >= self.w8a8_from:
-            out = self.w8a8(flat)
-        elif self.takes_dense(rows):
-            out = F.linear(flat, self.dense_weight(flat.dtype))
-        else:
-            out = self.weight_only_rows(flat)
-        return out.view(*x.shape[:-1], self.out_features)
+            return self.w8a8(flat)
+        if self.takes_dense(rows):
+            return F.linear(flat, self.dense_weight(flat.dtype))
+        return self.weight_only_rows(flat)
+
+    def prompt_path(self, flat: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: one path whatever their count (StepRows). W8A8 where it is on (per-row scales and
+        exact integer sums: a row's result is its own); else the dense GEMM where the plan found it faster
+        at some row count (what long prompt chunks need), called on ROW_TILE-padded rows; else the
+        weight-only kernel (a row's result is its own at every row count: engine/quant/int4_dot.cpp)."""
+        if self.w8a8_from is not None:
+            return self.w8a8(flat)
+        if self.dense_from is not None:
+            weight = self.dense_weight(flat.dtype)
+            return tiled_linear(flat, lambda rows: F.linear(rows, weight))
+        return self.weight_only_rows(flat)
 
     def weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) rows in the activations' dtype -> (M, N) the same dtype, through the weight-only kernel."""
