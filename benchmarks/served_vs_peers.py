@@ -178,7 +178,7 @@ def child() -> int:
     """Serve batches from stdin: add them all at once, step to the end, report each one's clocks.
 
     The steps run on a thread of their own, as the server's engine loop does: here (AMD EPYC, 2 cores,
-    load average 10-14) torch ops issued from the main thread with 2 OpenMP threads ran 20-30x slower than
+    load average 10-14) torch ops issued from the main thread with 2 OpenMP threads ran 26-60x slower than
     the same ops from a second thread (OMP_WAIT_POLICY=passive or 1 thread removed the gap), which
     would make the in-process lane a broken baseline rather than the engine's own speed."""
     import queue
