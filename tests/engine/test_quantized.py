@@ -165,11 +165,19 @@ def test_tiny_quantized_model(tmp_path: Path, fmt: str) -> None:
     err = float((got - ref).pow(2).mean().sqrt())
     assert err < 0.1 * float(ref.std()), err
     # The paged decode path (prefill, then one token a step) equals the reference forward of the
-    # quantized model itself, greedy token for token.
+    # quantized model itself, greedy token for token, where the reference computes each row's
+    # projections by the engine's function for that row: the prompt's rows as prompt rows (one path
+    # whatever their count, StepRows), the decoded tokens' rows as decode rows.
     out = quant.generate([ids.tolist()], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     seq = ids.tolist()
+    rows = quant.model.step_rows
     for _ in range(12):
-        seq.append(int(quant.model.forward_dense(torch.tensor(seq))[-1].argmax()))
+        rows.prompt_rows = torch.arange(len(ids))
+        rows.other_rows = torch.arange(len(ids), len(seq)) if len(seq) > len(ids) else None
+        try:
+            seq.append(int(quant.model.forward_dense(torch.tensor(seq))[-1].argmax()))
+        finally:
+            rows.prompt_rows = rows.other_rows = None
     assert out.token_ids == seq[len(ids):]
 
 

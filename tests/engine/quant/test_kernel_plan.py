@@ -206,8 +206,9 @@ def test_the_runner_marks_prompt_only_steps(tmp_path: Path) -> None:
     told: list[bool] = []
 
     class Recording(StepRows):
-        def __setattr__(self, name: str, value: bool) -> None:
-            told.append(value)
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "prompt_only":  # the step's prompt row indices are set beside it
+                told.append(bool(value))
             super().__setattr__(name, value)
 
     model.step_rows = Recording()
