@@ -244,7 +244,8 @@ class EngineConfig:
     # KV pool size. None: on CPU CPU_KV_CACHE_GIB; on GPU, gpu_memory_fraction of free memory after weights.
     kv_cache_gib: float | None = knob(
         None, help=f"KV cache size in GiB; unset: {CPU_KV_CACHE_GIB:g} GiB on CPU, on a GPU the memory fraction's share "
-        "of what the weights leave free", flag="--kv-cache-gib", crd="kvCacheGiB", minimum=0, exclusive_minimum=True)
+        "of what the weights leave free", flag="--kv-cache-gib", crd="kvCacheGiB", minimum=0, exclusive_minimum=True,
+        note="vLLM on CPU (resources.gpus: 0): unset, half of resources.memory.")
     # The CRD leaves it unset: vLLM and we each keep our own default (both 0.9 today).
     gpu_memory_fraction: float = knob(
         0.9, help="share of the GPU's memory the engine may use", flag="--gpu-memory-fraction",
