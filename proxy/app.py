@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.datastructures import State
@@ -68,11 +68,16 @@ class DrainGate:
 
 
 class ErrorBoundary:
-    """Renders OpenAIError as OpenAI error JSON and counts every answer by class and status."""
+    """Renders OpenAIError as OpenAI error JSON and counts every answer by class and status.
 
-    def __init__(self, app: ASGIApp, *, metrics: ProxyMetrics):
+    What it counts is handed in (the proxy's and the router's metrics differ): `count_answer(cls, status)`
+    for every answer, `count_refusal(scope, exc)` for each error it renders."""
+
+    def __init__(self, app: ASGIApp, *, count_answer: Callable[[str, int], None],
+                 count_refusal: Callable[[Scope, OpenAIError], None] | None = None):
         self.app = app
-        self.metrics = metrics
+        self.count_answer = count_answer
+        self.count_refusal = count_refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # `send` goes down untouched (no per-chunk wrapper); the relay records the status it sent.
@@ -82,21 +87,26 @@ class ErrorBoundary:
             if response_status(scope):
                 raise  # internal invariant broken: components only raise before answering
             set_response_status(scope, exc.status_code)
-            self._count_refusal(scope, exc)
+            if self.count_refusal is not None:
+                self.count_refusal(scope, exc)
             await exc.to_response()(scope, receive, send)
         status = response_status(scope)
         ctx = scope.get(SCOPE_KEY)
         cls = ctx.priority.value if isinstance(ctx, RequestContext) else "unknown"
         if isinstance(ctx, RequestContext) and ctx.client_disconnected:
             status = 499  # nginx's "client closed request"
-        self.metrics.answered(cls, status).inc()
+        self.count_answer(cls, status)
 
-    def _count_refusal(self, scope: Scope, exc: OpenAIError) -> None:
+
+def proxy_refusal_counter(metrics: ProxyMetrics) -> Callable[[Scope, OpenAIError], None]:
+    """Counts a refusal the proxy rendered: 429s as shed by class and reason, other 4xx as rejected."""
+    def count(scope: Scope, exc: OpenAIError) -> None:
         ctx = scope.get(SCOPE_KEY)
         if isinstance(exc, Overloaded) and isinstance(ctx, RequestContext):
-            self.metrics.shed.labels(ctx.priority.value, exc.reason).inc()
+            metrics.shed.labels(ctx.priority.value, exc.reason).inc()
         elif 400 <= exc.status_code < 500:
-            self.metrics.rejected.labels(exc.reason).inc()
+            metrics.rejected.labels(exc.reason).inc()
+    return count
 
 
 class ProxyApp:
@@ -163,10 +173,15 @@ def create_app(
     chain = OutputLength(chain, policy=policy.output_length, counter=counter, metrics=metrics)
     chain = JsonBody(chain, max_body_bytes=policy.output_length.max_body_bytes,
                      default_class=policy.admission.default_class)
-    completions = ErrorBoundary(DrainGate(chain, lifecycle=lifecycle), metrics=metrics)
+    def count_answer(cls: str, status: int) -> None:
+        metrics.answered(cls, status).inc()
+
+    count_refusal = proxy_refusal_counter(metrics)
+    completions = ErrorBoundary(DrainGate(chain, lifecycle=lifecycle), count_answer=count_answer,
+                                count_refusal=count_refusal)
     passthrough = ErrorBoundary(
         DrainGate(PassThrough(client=client, upstream_url=upstream_url, metrics=metrics), lifecycle=lifecycle),
-        metrics=metrics,
+        count_answer=count_answer, count_refusal=count_refusal,
     )
 
     async def health(request: Request) -> Response:

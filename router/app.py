@@ -2,7 +2,7 @@
 
 POST /v1/completions and /v1/chat/completions go through
 
-    RouterBoundary > DrainGate > JsonBody (413/400, the proxy's) > Dispatcher
+    ErrorBoundary (the proxy's) > DrainGate > JsonBody (413/400, the proxy's) > Dispatcher
 
 GET /v1/models goes to any ready endpoint; /health, /ready and /metrics are the router's own. /ready is
 200 even with no endpoint: the router then holds requests, which is what lets a service scale to zero.
@@ -20,10 +20,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from decodeservice.proxy.app import COMPLETION_PATHS, DrainGate
-from decodeservice.proxy.context import SCOPE_KEY, RequestContext, response_status, set_response_status
+from decodeservice.proxy.app import COMPLETION_PATHS, DrainGate, ErrorBoundary
 from decodeservice.proxy.request_body import JsonBody
 from decodeservice.proxy.streaming import UpstreamTimeouts, relay
 from decodeservice.proxy.upstream import forward_headers, make_client
@@ -33,33 +32,10 @@ from decodeservice.router.endpoints import EndpointSource
 from decodeservice.router.fleet import Fleet
 from decodeservice.router.metrics import CONTENT_TYPE, RouterMetrics
 from decodeservice.router.prefix_index import PrefixIndex
-from decodeservice.serving.errors import Draining, OpenAIError, ServiceUnavailable, http_exception_handler
+from decodeservice.serving.errors import Draining, ServiceUnavailable, http_exception_handler
 from decodeservice.serving.lifecycle import Lifecycle, Phase
 
 _CONNECTIONS_PER_ENDPOINT = 256
-
-
-class RouterBoundary:
-    """Renders OpenAIError as OpenAI error JSON and counts every answer by class and status."""
-
-    def __init__(self, app: ASGIApp, *, metrics: RouterMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self.app(scope, receive, send)
-        except OpenAIError as exc:
-            if response_status(scope):
-                raise  # internal invariant broken: components only raise before answering
-            set_response_status(scope, exc.status_code)
-            await exc.to_response()(scope, receive, send)
-        ctx = scope.get(SCOPE_KEY)
-        status = response_status(scope)
-        cls = ctx.priority.value if isinstance(ctx, RequestContext) else "unknown"
-        if isinstance(ctx, RequestContext) and ctx.client_disconnected:
-            status = 499
-        self.metrics.requests.labels(cls, str(status)).inc()
 
 
 class ModelsForwarder:
@@ -100,7 +76,8 @@ def create_app(config: RouterConfig, source: EndpointSource, *, lifecycle: Lifec
     dispatcher = Dispatcher(config=config, fleet=fleet, client=client, metrics=metrics, timeouts=timeouts)
     chain = JsonBody(dispatcher, max_body_bytes=config.policy.output_length.max_body_bytes,
                      default_class=config.policy.admission.default_class)
-    completions = RouterBoundary(DrainGate(chain, lifecycle=lifecycle), metrics=metrics)
+    completions = ErrorBoundary(DrainGate(chain, lifecycle=lifecycle),
+                                count_answer=lambda cls, status: metrics.requests.labels(cls, str(status)).inc())
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
