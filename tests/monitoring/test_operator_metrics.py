@@ -10,23 +10,17 @@ import asyncio
 import copy
 import subprocess
 import sys
-import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import kopf
-import pytest
 import yaml
-from kmock import Server
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodeservice.operator.handlers import OperatorConfig, build_registry
-from decodeservice.operator.metrics import figures, install
+from decodeservice.operator.metrics import figures
 from tests.monitoring.prometheus_server import free_port
-from tests.operator.conftest import Cluster, fast_settings
+from tests.operator.conftest import Cluster, run_operator
 from tests.operator.helpers import EXAMPLES
-from tests.support.kube_emulator import DEPLOYMENTS, ApiServer, declare_resources
+from tests.support.kube_emulator import DEPLOYMENTS
 
 DS_PATH = "/apis/decode.dev/v1alpha1/namespaces/default/decodeservices"
 
@@ -68,43 +62,6 @@ def test_a_bad_metrics_url_exits_2() -> None:
     assert "--metrics must look like http://HOST:PORT/metrics" in result.stderr
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
-    async with ApiServer() as server, Server(server) as http:
-        declare_resources(server)
-        yield Cluster(server=server, url=str(http.url).rstrip("/"))
-
-
-async def _operator_with_metrics(cluster: Cluster, port: int) -> AsyncIterator[None]:
-    config = OperatorConfig(resync_seconds=0.3, retry_base_seconds=0.05, retry_max_seconds=0.2,
-                            request_timeout_seconds=5,
-                            connection=kopf.ConnectionInfo(server=cluster.url, insecure=True))
-    registry = build_registry(config)
-    install(registry, host="127.0.0.1", port=port)
-    stop, ready = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def main() -> None:
-        try:
-            asyncio.run(kopf.operator(registry=registry, settings=fast_settings(), clusterwide=True,
-                                      standalone=True, stop_flag=stop, ready_flag=ready))
-        except BaseException as exc:  # reported to the test below, never swallowed
-            errors.append(exc)
-            ready.set()
-
-    thread = threading.Thread(target=main, name="kopf", daemon=True)
-    thread.start()
-    try:
-        assert await asyncio.to_thread(ready.wait, 10), "kopf did not become ready"
-        assert not errors, errors
-        yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 20)
-        assert not thread.is_alive(), "kopf did not stop"
-    assert not errors, errors
-
-
 async def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     async with httpx.AsyncClient(timeout=5.0) as client:
         try:
@@ -133,7 +90,7 @@ async def test_the_operator_serves_each_services_figures(cluster: Cluster) -> No
     def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
         return name, tuple(sorted((*ns, *labels.items())))
 
-    async for _ in _operator_with_metrics(cluster, port):
+    async for _ in run_operator(cluster, metrics_port=port):
         await cluster.create(smoke(replicas=2))
         await _wait_shows(url, {key("decodeservice_replicas", state="desired"): 2.0,
                                 key("decodeservice_replicas", state="ready"): 0.0}, "desired 2, ready 0")

@@ -15,6 +15,7 @@ from kmock import Server, resource
 
 from decodeservice.operator.autoscaler.controller import AutoscalingConfig
 from decodeservice.operator.handlers import OperatorConfig, build_registry
+from decodeservice.operator.metrics import install as install_metrics
 from tests.support.kube_emulator import ApiServer, declare_resources
 
 
@@ -82,19 +83,24 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 async def run_operator(cluster: Cluster, *, resync_seconds: float = 0.3, namespaces: Sequence[str] = (),
-                       autoscaling: AutoscalingConfig | None = None) -> AsyncIterator[None]:
+                       autoscaling: AutoscalingConfig | None = None,
+                       metrics_port: int | None = None) -> AsyncIterator[None]:
     """Run kopf in its own thread and loop: at exit kopf cancels every other task of its loop.
 
-    With `namespaces` it watches only those (names or globs), as `decodectl operator -n NS` does."""
+    With `namespaces` it watches only those (names or globs), as `decodectl operator -n NS` does; with
+    `metrics_port` it serves its /metrics there, as `decodectl operator --metrics URL` does."""
     config = OperatorConfig(resync_seconds=resync_seconds, retry_base_seconds=0.05, retry_max_seconds=0.2,
                             request_timeout_seconds=5, autoscaling=autoscaling or AutoscalingConfig(),
                             connection=kopf.ConnectionInfo(server=cluster.url, insecure=True))
+    registry = build_registry(config)
+    if metrics_port is not None:
+        install_metrics(registry, host="127.0.0.1", port=metrics_port)
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def main() -> None:
         try:
-            asyncio.run(kopf.operator(registry=build_registry(config), settings=fast_settings(),
+            asyncio.run(kopf.operator(registry=registry, settings=fast_settings(),
                                       clusterwide=not namespaces, namespaces=list(namespaces),
                                       standalone=True, stop_flag=stop, ready_flag=ready))
         except BaseException as exc:  # reported to the test below, never swallowed
