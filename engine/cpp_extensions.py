@@ -11,12 +11,14 @@ and left out: the torch path runs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -44,6 +46,26 @@ def openmp_flags() -> list[str]:
     if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return []
     return ["-fopenmp"]
+
+
+@contextlib.contextmanager
+def exclusive_build(build: Path) -> Iterator[None]:
+    """Hold `build` for one process at a time with a kernel lock, which dies with its holder.
+
+    torch's own guard is a `lock` file created in the build directory and removed when the build ends;
+    a process killed mid-build (a server stopped during start-up, a job past its deadline) leaves it
+    behind, and every later build of that kernel waits on it forever. Every builder takes this lock
+    first, so a `lock` file found while holding it belongs to no live build and is removed."""
+    with open(build / "build.flock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
 
 
 def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bool],
@@ -76,9 +98,10 @@ def build_extension(source: Path, *, what: str, check: Callable[[ModuleType], bo
         build.mkdir(parents=True, exist_ok=True)
         # torch runs `ninja` from PATH; a venv that is not activated has its ninja beside its python.
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        module: ModuleType = load(name=name, sources=[str(source)], extra_cflags=["-O3", *flags, *threading],
-                                  extra_ldflags=threading,
-                                  build_directory=str(build), verbose=False)
+        with exclusive_build(build):
+            module: ModuleType = load(name=name, sources=[str(source)],
+                                      extra_cflags=["-O3", *flags, *threading], extra_ldflags=threading,
+                                      build_directory=str(build), verbose=False)
     except Exception as exc:  # any toolchain failure: compiler, headers, ninja, linker
         log.warning("no native %s kernel (%s: %s); the torch path runs", what, type(exc).__name__, exc)
         return None
