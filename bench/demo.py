@@ -31,6 +31,7 @@ from decodeservice.bench.metrics import LevelSummary, Slo
 from decodeservice.bench.procs import ChildServer, decodectl, free_port
 from decodeservice.bench.report import BenchReport
 from decodeservice.bench.runner import BenchConfig, run_benchmark
+from decodeservice.monitoring.demo_view import DemoView
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -104,6 +105,7 @@ class Demo:
     console: Console
     children: list[ChildServer] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
+    view: DemoView = field(default_factory=DemoView)  # its own Prometheus, drawn to dashboard.png at the end
 
     def _start(self, child: ChildServer, what: str) -> ChildServer:
         self.children.append(child)  # tracked before it exists: a Ctrl-C right after Popen still stops it
@@ -126,6 +128,7 @@ class Demo:
         self.children.remove(child)
 
     def close(self) -> None:
+        self.view.close()
         for child in reversed(self.children):
             child.stop()
         self.children.clear()
@@ -163,6 +166,7 @@ class Demo:
                 proxy = self._start(ChildServer(name="proxy", url=proxy_url, log_path=logs / "proxy.log", argv=decodectl(
                     "proxy", "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(proxy_port),
                     "--policy", str(policy))), "starting the proxy")
+                self.view.watch(proxy_url=proxy_url, out=cfg.out, console=self.console)
             else:  # the proxy's /ready follows the restarted upstream
                 asyncio.run(proxy.wait_ready(timeout_s=cfg.ready_timeout_s))
             before = asyncio.run(scrape_spec(engine_url))
@@ -180,7 +184,7 @@ class Demo:
                             levels=tuple(summaries), extra_columns={"spec acceptance": tuple(acceptance)},
                             notes=("Both runs send the same prompts to a freshly started engine (no shared "
                                    "prefix cache).",))
-        return final, report.write(final, cfg.out)
+        return final, [*report.write(final, cfg.out), *self.view.draw()]
 
 
 def side_by_side(result: BenchReport) -> Table:

@@ -91,10 +91,13 @@ def _rate(metric: str, selector: str, by: str) -> str:
     return f"sum by ({by}) (rate({metric}{{{selector}}}[$__rate_interval]))"
 
 
-def _quantiles(metric: str) -> tuple[Query, ...]:
+def _quantiles(metric: str, *, source: Source = Source.PROXY, what: str = "",
+               percentiles: tuple[int, ...] = (50, 95, 99)) -> tuple[Query, ...]:
     buckets = f"sum by ({_BY_CLS}, le) (rate({metric}_bucket{{{_CLS}}}[$__rate_interval]))"
-    return tuple(Query(expr=f"histogram_quantile({q}, {buckets})", legend=f"{{{{service}}}} {{{{class}}}} p{p}",
-                       source=Source.PROXY) for q, p in ((0.5, 50), (0.95, 95), (0.99, 99)))
+    prefix = "router " if source is Source.ROUTER else ""
+    return tuple(Query(expr=f"histogram_quantile({p / 100:g}, {buckets})",
+                       legend=f"{prefix}{{{{service}}}} {{{{class}}}} {what}p{p}", source=source)
+                 for p in percentiles)
 
 
 def _share(num: str, den: str, selector: str, by: str, legend: str, source: Source, *,
@@ -179,6 +182,12 @@ CAPACITY = Row(title="Capacity", panels=(
                          legend="{{name}}", source=Source.OPERATOR),)),
 ))
 
+SPECULATION = Panel(title="Speculation acceptance", unit=Unit.RATIO,
+                    description="Draft tokens accepted per draft token proposed (speculative decoding on).",
+                    queries=(_share("vllm:spec_decode_num_accepted_tokens_total",
+                                    "vllm:spec_decode_num_draft_tokens_total", _POD, _BY_SVC, "{{service}}",
+                                    Source.ENGINE),))
+
 EFFICIENCY = Row(title="Efficiency", panels=(
     Panel(title="Prefix cache hit share", main=True, unit=Unit.RATIO,
           description="Prompt tokens found in the engines' prefix caches, and at the router the tokens the "
@@ -189,10 +198,15 @@ EFFICIENCY = Row(title="Efficiency", panels=(
               _share("decode_router:prefix_tokens_cached_total", "decode_router:prompt_tokens_total", _POD,
                      _BY_SVC, "router {{service}}", Source.ROUTER),
           )),
-    Panel(title="Speculation acceptance", unit=Unit.RATIO,
-          description="Draft tokens accepted per draft token proposed (speculative decoding on).",
-          queries=(_share("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
-                          _POD, _BY_SVC, "{{service}}", Source.ENGINE),)),
+    SPECULATION,
+    Panel(title="Router TTFT: predicted and measured", unit=Unit.SECONDS,
+          description="The TTFT the router predicted for the endpoint it chose, at dispatch, beside the TTFT "
+                      "it measured (arrival at the router to the first token, holding included): apart, the "
+                      "router's latency model is off and its routing and shedding with it.",
+          queries=(*_quantiles("decode_router:predicted_ttft_seconds", source=Source.ROUTER, what="predicted ",
+                               percentiles=(50, 95)),
+                   *_quantiles("decode_router:time_to_first_token_seconds", source=Source.ROUTER,
+                               what="measured ", percentiles=(50, 95)))),
 ))
 
 ROWS: tuple[Row, ...] = (SLO, TRAFFIC, CAPACITY, EFFICIENCY)

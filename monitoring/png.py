@@ -33,9 +33,12 @@ class View:
     window: TimeRange
     namespace: str = ".+"
     service: str = ".+"
+    rate_interval_s: int | None = None  # None: from the step, for a cluster's 15s scrapes
 
     @property
     def rate_interval(self) -> str:
+        if self.rate_interval_s is not None:  # a Prometheus of our own scraping every second (the demo)
+            return f"{self.rate_interval_s}s"
         # Grafana's $__rate_interval is at least four scrape intervals; step-based here, never under 1m of
         # a 15s scrape, so a rate always has samples to work with.
         return f"{max(60, int(self.window.step * 4))}s"
@@ -100,9 +103,10 @@ def draw(data: Sequence[PanelData], path: Path, *, title: str) -> None:
     plt.close(fig)
 
 
-def render(client: PrometheusClient, view: View, path: Path) -> list[PanelData]:
-    """Query every main panel and write the PNG; returns what was drawn."""
-    data = fetch(client, view)
+def render(client: PrometheusClient, view: View, path: Path,
+           panels: Sequence[Panel] = MAIN_PANELS) -> list[PanelData]:
+    """Query every panel (the main ones by default) and write the PNG; returns what was drawn."""
+    data = fetch(client, view, panels)
     start = datetime.datetime.fromtimestamp(view.window.start).strftime("%Y-%m-%d %H:%M")
     who = "every DecodeService" if view.service == ".+" else view.service
     draw(data, path, title=f"DecodeService: {who}, from {start} ({int(view.window.end - view.window.start)} s)")
