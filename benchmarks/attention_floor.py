@@ -1,9 +1,9 @@
 """What long-context attention can cost on this machine at best, next to what the engine's path costs. JSON out.
 
     .venv/bin/python -P benchmarks/attention_floor.py [--threads 1] [--contexts 512,1024,2048,4096]
-        [--repeats 5] [--skip-engine] [--out benchmarks/results/attention_floor_cpu1.json]
+        [--repeats 5] [--skip-engine] [--out FILE]
 
-Issue 17 asks for decode at 4k keys at 0.85x the engine's short-context decode and for prefill
+The long-context targets ask for decode at 4k keys at 0.85x the engine's short-context decode and for prefill
 throughput flat within 15% from 0.5k to 4k. This measures how far either can go here, at the bundled
 model's shapes (30 layers, 9 query heads, 3 K/V heads, D 64, bf16 K/V as the int4 engine keeps them):
 

@@ -338,7 +338,7 @@ def _profile_doc(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _targets(runs: dict[str, RunResult]) -> dict[str, Any]:
-    """The issue's targets, judged on this trace: vs the peak-sized fleet and vs the HPA variants."""
+    """The autoscaler's targets, judged on this trace: vs the peak-sized fleet and vs the HPA variants."""
     names = list(runs)
     fixed, ours = runs[names[0]], runs["ours"]
     hpa = sorted((r.replica_minutes, r.attainment) for n, r in runs.items() if n.startswith("hpa"))

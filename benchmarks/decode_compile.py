@@ -12,8 +12,8 @@ ratio, and whether the compiled forward's logits equal eager's on the same step 
 Then `single_stream_end_to_end`: chat decode tokens/s of the compiled engine against an eager engine on
 the same weights, alternating requests.
 
-engine/compiled_step.py has the design; benchmarks/results/decode_compile_cpu1.json is an earlier study
-of per-layer graphs (attention as a graph break), which this layout replaced.
+engine/compiled_step.py has the design; it replaced per-layer graphs (attention as a graph break), an
+earlier study of this script that git history keeps.
 """
 
 from __future__ import annotations

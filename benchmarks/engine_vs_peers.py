@@ -14,7 +14,7 @@ that variant's alone. Per variant:
 llama.cpp runs through llama-cpp-python (the optional `bench` extra), skipped with a note when it is
 not importable; its 32-stream aggregate is llama.cpp's own batching of the 32 sequences in one context,
 as llama-server -np 32 runs it (benchmarks/llama_cpp_batched.py, through the C API).
-The summary quotes every target of issue 13 as a ratio measured in this one run. Medians over repeats.
+The summary quotes every CPU target of the engine as a ratio measured in this one run. Medians over repeats.
 `--rounds N` runs the variant list N times in turn and reports medians over rounds, with each ratio's
 value per round (`ratios_by_round`): single runs move by 15-25% here with the machine's load.
 """
@@ -246,7 +246,7 @@ def run_child(args: argparse.Namespace) -> int:
 
 
 def ratios(variants: dict[str, dict[str, Any]], streams: int) -> dict[str, Any]:
-    """Issue 13's targets, each as a ratio of two figures from this run (None where one is missing)."""
+    """The engine's CPU targets, each as a ratio of two figures from this run (None where one is missing)."""
     def get(name: str, key: str) -> float | None:
         value = variants.get(name, {}).get(key)
         return float(value) if isinstance(value, int | float) else None

@@ -7,7 +7,7 @@
 For each prompt length: the bundled model's default engine (quantization and dtype auto: int4 with the
 activations this CPU's kernel plan picks) and the same file dequantized to fp32 each continue a
 summarization prompt with `--decode-tokens` greedy tokens; the fp32 model scores both continuations
-(mean negative log-likelihood per token). The target (issue 24): the default within 1 nat/token of
+(mean negative log-likelihood per token). The target: the default within 1 nat/token of
 fp32's own. The second command runs the same on ATen's AVX2 dispatch and oneDNN without native bf16,
 which is how an AVX-512 machine checks the paths of one without it.
 """
