@@ -1,4 +1,4 @@
-"""Issue 28: a model the builtin engine cannot run is refused before its weights are downloaded.
+"""A model the builtin engine cannot run is refused before its weights are downloaded.
 
 At reconcile when the spec names the architecture (spec.model.architecture), else by the init container,
 which checks each hf:// config.json (the model's and the draft's) before any snapshot download."""

@@ -3,7 +3,7 @@ tests/operator/schemas/, see its README), and the operator with and without that
 
 What only a real cluster with the Gateway API Inference Extension can check: that a Gateway accepts the
 pool, that the endpoint picker reaches the pods on the target port and reads the `vllm:*` series there
-(the proxy relays them; that relay is the proxy's part of issue 14 and is tested with the proxy).
+(the proxy relays them; that relay is the proxy's and is tested with the proxy).
 """
 
 from __future__ import annotations

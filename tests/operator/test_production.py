@@ -1,4 +1,4 @@
-"""Issue 25's faults in what the operator renders for a production cluster, each with the fix's test."""
+"""Faults once found in what the operator renders for a production cluster, each with the fix's test."""
 
 from __future__ import annotations
 

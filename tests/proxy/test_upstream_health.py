@@ -46,7 +46,7 @@ def test_the_cli_offers_exactly_the_engine_kinds() -> None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_builtin_readiness_in_front_of_vllm_never_becomes_ready(version: str, proxy: Any) -> None:
-    """Issue 25: the old proxy asked every upstream for /ready, which vLLM answers 404."""
+    """A fault once fixed: the old proxy asked every upstream for /ready, which vLLM answers 404."""
     standin = VllmStandIn(contract=Contract.load(version))
     async with serve_loopback(standin.app()) as url, proxy({}, url) as (_, client):
         response = await client.get("/ready")

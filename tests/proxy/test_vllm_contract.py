@@ -60,7 +60,7 @@ def test_what_vllm_serves_and_what_it_does_not(version: str) -> None:
     assert {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/v1/completions"),
             ("POST", "/v1/chat/completions"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/ping"),
             ("GET", "/load")} <= contract.routes
-    assert not any(r["path"] == "/ready" for r in contract.data["routes"])  # the fault of issue 25
+    assert not any(r["path"] == "/ready" for r in contract.data["routes"])  # why the proxy must not probe /ready
     assert {a["status"] for a in contract.data["health"]["answers"] if a["on_exception"] is None} == {200}
     assert contract.dead_status == 503
     names = {m["name"] for m in contract.metrics}
