@@ -9,18 +9,11 @@ with no copy, no per-head call and no expanded K/V. The softmax then spans every
 a fragmented table needs no log-sum-exp merge either.
 
 Why not the CPU flash kernel here: with the 3 query rows a decode gives it per K/V head (G folded into
-the query length), it is far from the memory bound in reduced precision. One layer of SmolLM2-135M
-(9 heads, 3 K/V heads, D 64), bf16, 1 thread, 30 layers' pools read in turn (cold caches), the context
-growing by one key per call as in decoding, CPU microseconds per layer, three repeats: flash 212-277 /
-302-350 / 646-741 / 1,180-1,245 at L = 512 / 1k / 2k / 4k; these two GEMMs 188-261 / 250-283 / 408-538
-/ 656-680 (reading the 3 MB of K/V alone takes ~110 us at 4k). In the engine (int4, one decode,
-backends alternated step by step, 8-12 rounds of 4 steps, CPU ms per step, best / median): 27.1 / 29.8
-flash vs 29.1 / 32.2 GEMMs at 1k, 32.3 / 44.5 vs 31.4 / 38.4 at 1.5k, 40.9 / 51.8 vs 35.9 / 42.2 at 2k,
-62.4 / 72.5 vs 52.8 / 59.1 at 4k. So the GEMMs take over from `MIN_CONTEXT` keys, in reduced precision
-only: fp32 GEMMs of this shape were slower than the flash kernel. That was one machine: an engine
-measures its own crossover at start-up (context_plan.py; on a later Xeon with torch 2.13 the flash
-kernel won up to 3k keys), and MIN_CONTEXT is only the default of a backend built outside an engine.
-benchmarks/long_context.py repeats the A/B.
+the query length), it is far from the memory bound in reduced precision, and these GEMMs overtook it
+at long contexts in bf16 (in fp32 they were slower, so fp32 keeps the kernel). Where they overtake it
+differs by machine, so an engine measures its own crossover at start-up (context_plan.py), and
+MIN_CONTEXT is only the default of a backend built outside an engine. benchmarks/long_context.py times
+the backends per layer (`attention_per_layer_call` in its JSON).
 
 Precision: the scores leave the bf16 GEMM rounded to bf16 (the kernel accumulates in fp32), as SDPA's
 math path does; the softmax runs in fp32 and the probabilities are rounded to bf16 for the second
