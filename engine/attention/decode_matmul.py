@@ -30,11 +30,9 @@ import torch
 from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
 from decodeservice.engine.kv_cache import cdiv
 
-MIN_CONTEXT = 1536  # keys; below this the flash kernel was as fast or faster (one machine: see above)
-# Query tokens (a decode is 1, a verify 1 + drafts): the GEMMs grow with H * Q rows and the kernel's
-# rows fill up. Per layer at 1.5k / 4k keys (as above, CPU us): flash vs GEMMs 509-541 vs 387-432 and
-# 1,288-1,447 vs 759-765 for Q = 1; 768-799 vs 639-646 and 1,840-1,909 vs 1,388-1,468 for Q = 5;
-# 937-977 vs 880-1,028 and 2,236-2,326 vs 1,974-2,014 for Q = 9; even at Q = 16.
+MIN_CONTEXT = 1536  # keys: the crossover where no start-up measurement set one (see above)
+# Query tokens (a decode is 1, a verify 1 + drafts): the GEMMs grow with H * Q rows while the kernel's
+# rows fill up, so their lead shrinks with Q and was gone at 16 (benchmarks/long_context.py's A/B).
 MAX_QUERY = 9
 DTYPES = (torch.bfloat16, torch.float16)
 
