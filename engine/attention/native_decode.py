@@ -28,9 +28,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 # scores (H x chunk fp32) stay in L1/L2; measured per call in benchmarks/long_context.py.
 CHUNK = 256
 # Spans of up to this many new tokens take the kernel, a row per token (build_decode_group): a verify of
-# up to 8 drafts. Per layer, one span at 300-4k keys, 2 threads (/tmp scratch, 2026-12-04, AMD EPYC):
-# kernel / torch paths 0.07-0.37 for 2-9 tokens in bf16, 0.06-0.40 in fp32 under the AVX2 caps; at 16
-# tokens fp32 rose to 0.87 at 1k keys, so longer spans stay on the torch paths.
+# up to 8 drafts. A row per token costs more as the span grows, and from 16 tokens the torch paths'
+# one call for the span caught up, so longer spans (prompt chunks) stay on them (a per-layer A/B whose
+# figures are in this comment's git history; benchmarks/spec_decode.py measures the verify cost it gives).
 MAX_NEW = 9
 
 
