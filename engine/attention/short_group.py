@@ -20,10 +20,10 @@ from decodeservice.engine.attention.metadata import SequenceSpan
 
 MAX_QUERY = 32
 MAX_CONTEXT = 256  # tokens
-# CPU, bf16/fp16: two batched GEMMs instead of SDPA. Measured (1 thread, a padded group of 32 decodes over
-# 256 keys, SmolLM2-135M's 9/3 heads): SDPA's flash kernel 9.1 ms in bf16 against 1.4 ms in fp32, the
-# GEMMs 1.7-4.0 ms; 8 x 64 keys 0.49 vs 0.16 ms; 4 verifies of 32 over 256 keys 1.2-1.3 vs 0.85 ms. In fp32
-# SDPA stays ahead (1.4 vs 8.8 ms at 32 x 256), so fp32 keeps it.
+# CPU, bf16/fp16: two batched GEMMs instead of SDPA, whose CPU flash kernel is several times slower in
+# bf16 than in fp32 on these short padded groups; in fp32 SDPA stays ahead, so fp32 keeps it (an A/B
+# at 32 decodes over 256 keys, figures in this comment's git history; benchmarks/decode_step.py profiles
+# the group inside a 32-stream step).
 REDUCED = (torch.bfloat16, torch.float16)
 
 
