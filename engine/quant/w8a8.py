@@ -23,17 +23,10 @@ import torch
 
 from decodeservice.engine.quant.int4 import Int4Weight
 
-# From this many rows on a projection runs W8A8 (where its module has int8 codes). Measured per
-# projection (benchmarks/results/decode_step_w8a8_cpu1.json, `projection_rows`, 1 thread, min of 15
-# (head: 3), ms, int4 kernel vs W8A8 with the activations' quantization and the int32 epilogue included):
-#   rows       4            6            8            16            32
-#   qkv      0.057/0.062  0.093/0.067  0.108/0.074  0.211/0.099   0.417/0.147
-#   o        0.036/0.047  0.058/0.050  0.067/0.056  0.129/0.071   0.252/0.101
-#   gate_up  0.172/0.135  0.288/0.152  0.337/0.174  0.666/0.244   1.350/0.396
-#   down     0.088/0.083  0.146/0.093  0.200/0.105  0.334/0.141   0.664/0.216
-#   head     2.78/4.92    4.57/3.89    5.50/5.45    10.77/6.12    21.73/8.92
-# At 4 rows a layer's four save 0.03 ms (x30 = 0.8) but the head loses 2.1 ms; at 6 the layers save 6.7
-# ms and the head 0.7. So 6. A single sequence's speculative verify reaches it with 5 drafts.
+# From this many rows on a projection runs W8A8 (where its module has int8 codes): the fewest rows at
+# which the step as a whole gained, the layers' savings no longer eaten by the head's loss
+# (benchmarks/decode_step.py, `projection_rows` in benchmarks/results/decode_step_w8a8_cpu1.json).
+# A single sequence's speculative verify reaches it with 5 drafts.
 W8A8_ROWS = 6
 
 # Rows converted at a time when an int8 copy is made from 4-bit weights: the fp32 temporaries stay a
