@@ -94,12 +94,12 @@ class CompiledStep:
                                     category=DeprecationWarning)
             import torch._inductor.compile_fx
         # cpp_wrapper: the graph's calls (120 matmuls, 30 attention ops, the fused kernels) are made from
-        # generated C++, not from a Python wrapper: 13.3 vs 15.0 ms a one-row step (int4, 1 thread,
-        # interleaved A/B), for a longer cold compile (see the module docstring).
+        # generated C++, not from a Python wrapper: a faster one-row step for a longer cold compile (see
+        # the module docstring; benchmarks/decode_compile.py times the step).
         # emulate_precision_casts: a fused kernel rounds to bf16 wherever eager would (a norm's output, each
-        # residual add), so the compiled step is bit-identical to eager. Without it, hidden states drifted
-        # by up to 2.0 logits (std 7.5) on a tiny model and greedy tokens parted at a near-tie; with it the
-        # one-row step measured 12.9 vs 13.4 ms, no slower.
+        # residual add), so the compiled step is bit-identical to eager (decode_compile.py checks
+        # `logits_bit_identical`). Without it greedy tokens parted from eager's at a near-tie, and with it
+        # the step was no slower.
         # fullgraph: a graph break (code dynamo cannot trace, added to the model later) is an error at
         # start-up, not a silently slower step.
         compile_fn: Callable[[Any], Any] = torch.compile(
