@@ -1,7 +1,7 @@
 // One-token decode attention read straight from the paged KV pool (engine/attention/native_decode.py).
 //
 // Why: a decode has G query rows per K/V head, too few for the CPU flash kernel to reach memory speed
-// (measured ~6 GB/s of K/V in the engine's step, where a core streams 11-13), and a batch of short
+// (about half of what a core streams, in the engine's step), and a batch of short
 // decodes paid a gather of every block (index_select) before its GEMMs. Here every sequence's keys are
 // read in place through its block table, each K/V row once for all of its G query heads, in one call
 // per layer for the whole step, parallel over (sequence, chunk of keys).
