@@ -2,8 +2,8 @@
 
 Two facts decide the CPU path (engine/quant/kernel_plan.py):
 - native bf16 (AVX512_BF16 or AMX-BF16, with ATen and oneDNN allowed to use them): without it a bf16
-  GEMM is emulated, ~10x slower than fp32 at prompt-chunk sizes (576x1536 at 256 rows, 1 thread:
-  29 vs 2.8 ms under ONEDNN_MAX_CPU_ISA=AVX2), and bf16 attention ~3x slower;
+  GEMM is emulated, about 10x slower than fp32 at prompt-chunk sizes (kernel_plan.py measures it at
+  start-up and logs both times), and bf16 attention slower too;
 - the ISA ATen dispatches to (`ATEN_CPU_CAPABILITY` lowers it), which also decides how torch packs
   the int4 kernel's weights.
 
