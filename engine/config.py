@@ -280,11 +280,9 @@ class EngineConfig:
     # streams, prompt chunks and long verifies, run int8 activations x int8 weights (engine/quant/w8a8.py).
     # int8 weights use their own codes: no memory. int4 weights keep an int8 copy of every projection
     # and the head: +1 byte a weight, +129 MiB for SmolLM2-135M (its 4-bit projections and head: 80 MiB).
-    # Measured on the bundled int4 model with benchmarks/engine_vs_peers.py, on vs off in one run
-    # (benchmarks/results/engine_vs_peers_w8a8_cpu{1,2}.json, 1 / 2 threads): 32-stream aggregate
-    # 334 vs 193 / 474 vs 355 tokens/s, i.e. 6.2x / 6.3x its own single stream (which W8A8 does not
-    # touch); TTFT on ~550 tokens 0.84 vs 1.34 / 0.48 vs 0.75 s; peak RSS 964 vs 816 / 1084 vs 814 MiB,
-    # i.e. 0.57x / 0.64x fp32's against 0.48x.
+    # With the int8-dot kernel (int8 activations against the 4-bit codes) it no longer speeds up the
+    # bundled int4 model's 32 streams natively (benchmarks/engine_vs_peers.py, variant engine_int4_w8a8:
+    # benchmarks/results/engine_vs_peers_cpu1_native_vs_llama_cpp.json).
     # Off by default, for what it costs besides memory: (1) a stream's tokens then depend on its batch
     # (1 row: the weight-only kernel, 6+: int8 activations; 8 int4 streams together vs alone agreed on
     # 42% of 32 greedy tokens), so speculative decoding is no longer exact against plain decoding (a
