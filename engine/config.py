@@ -311,11 +311,11 @@ class EngineConfig:
     # it is given (an engine cannot unpack a model another engine already packed).
     pack_cpu_weights: bool = True
     # CPU: decode steps (up to compiled_step.MAX_ROWS rows: decode batches, verifies) as one torch.compile
-    # graph with attention as an opaque op, bit-identical to eager (engine/compiled_step.py). Measured on
-    # the bundled int4 model, 1 thread, interleaved A/B in one process: one stream 12.9 vs 16.3 ms a step;
-    # int8 22.2 vs 25.5 ms; 32 streams with w8a8 69 vs 75 ms. Compiled at start-up, before the server is
-    # ready: on 2 cores about 1 min for the one-row graph and 1.5 min for each batch graph (two, three with
-    # w8a8) the first time; inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) brings a restart to ~6 s.
+    # graph with attention as an opaque op, bit-identical to eager (engine/compiled_step.py); its gain:
+    # benchmarks/decode_compile.py (benchmarks/results/decode_compile_int4_w8a8_cpu2.json). Compiled at
+    # start-up, before the server is ready: minutes on 2 cores for the one-row graph and each batch graph
+    # (two, three with w8a8) the first time; inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) brings a
+    # restart to seconds.
     # Needs a C++ compiler at run time. Off by default for those minutes and that compiler.
     compile: bool = knob(
         False, help="CPU: decode steps run as one torch.compile graph, bit-identical to eager (one int4 stream "
