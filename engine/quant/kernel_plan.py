@@ -49,9 +49,8 @@ HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its dr
 # Where the int8-dot kernel must win to replace torch's, and by how much: rows -> its most time as a
 # fraction of torch's. A verify's or a batch's 8 rows add compute, where a clear win must pay for the
 # int8 activations' accuracy (~1% per projection), so a tie there goes to torch's kernel. One row is a
-# decode, memory-bound for both (the same bytes): there it must only not lose. Measured over
-# SmolLM2-135M's 30 layers' projections at 1 / 8 rows, 1 thread: 0.81 / 0.52x torch's time with AVX-512
-# VNNI, 0.64 / 0.42x under the AVX2 caps (benchmarks/int4_kernels.py).
+# decode, memory-bound for both (the same bytes): there it must only not lose. Both bars are met with
+# room on either dispatch (benchmarks/int4_kernels.py: benchmarks/results/int4_kernels_*.json).
 DOT_WINS = {1: 1.0, 8: 0.8}
 # Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
 # outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
