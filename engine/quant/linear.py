@@ -1,9 +1,8 @@
 """Quantized projections and embeddings for CPU decode, on torch's own weight-only kernels.
 
 Decode is memory-bound: every step streams every weight once, so 4-bit weights read 8x fewer bytes
-than fp32. Measured on 2 cores, all of SmolLM2-135M's projections at one row: fp32 44 ms, bf16 20 ms,
-int8 `_weight_int8pack_mm` 9.4 ms, int4 `_weight_int4pack_mm_for_cpu` 4.9 ms, all with bf16
-activations. The kernels' own fp32 paths are scalar loops, so they always get bf16 rows: where the
+than fp32, and a one-row step's projections run about as many times faster (benchmarks/decode_step.py
+profiles them). The kernels' own fp32 paths are scalar loops, so they always get bf16 rows: where the
 activations are fp32 (a CPU without native bf16, see kernel_plan.py) the rows are cast at the call.
 """
 
