@@ -37,8 +37,8 @@ def int8_kernels_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-# What the weight-only kernels are called with (1536x576 at one row, 1 thread, AVX-512 and AVX2 alike:
-# 0.05-0.09 ms with bf16 rows, 1.47 ms with fp32 ones).
+# What the weight-only kernels are called with: their fp32 paths are scalar loops, many times slower
+# than their bf16 ones on AVX-512 and AVX2 alike.
 KERNEL_DTYPE = torch.bfloat16
 # Row thresholds before the engine plans this machine's kernels (engine/quant/kernel_plan.py measures
 # and sets each module's own at start-up); a module built outside an engine keeps these.
