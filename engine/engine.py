@@ -121,8 +121,7 @@ class Engine:
                 and self.dtype == torch.float32 and not detect_cpu().native_bf16
                 and native_decode.applies(self.dtype, head_dim) and native_decode.decode_extension() is not None):
             # fp32 rows hold 3.8x the bytes of int8 ones, and the long-context decode step pays for every
-            # one: under the AVX2 caps, int8 decoded 1.29x faster at 2.6k keys, equal at short context,
-            # 0.2 nat of fp32's text at 1.8k (docs/performance.md#int8-kv-cache).
+            # one (benchmarks/kv_cache_dtype.py and long_prompt_quality.py: docs/performance.md#int8-kv-cache).
             return torch.int8, "auto: fp32 activations for want of native bf16, so int8 rows, not fp32 ones"
         return self.dtype, "auto: the activations' dtype"
 
