@@ -53,10 +53,10 @@ AttendLayer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 class Linear(nn.Linear):
     """A bias-free projection that can swap its weight for oneDNN's pre-packed CPU layout.
 
-    On CPU, fp32 `F.linear` goes through a GEMM that handles a handful of rows badly: scoring the 5
-    rows of a speculative verify cost about 2x a 1-row decode step here, although both stream the
-    same weights from memory. oneDNN with a weight packed once at load time does 5 rows for ~1.25x
-    and a single row faster than `F.linear` too (`benchmarks/spec_decode.py` has the figures)."""
+    On CPU, fp32 `F.linear` goes through a GEMM that handles a handful of rows badly: a speculative
+    verify's few rows cost far more than one decode row, although both stream the same weights from
+    memory. oneDNN with a weight packed once at load time narrows that and runs a single row faster too
+    (`benchmarks/spec_decode.py`'s `draft_row_cost` on fp32 weights)."""
 
     packed: torch.Tensor | None = None
     step_rows: StepRows = StepRows()  # the model's own once it shares one (LlamaModel.share_step_rows)
