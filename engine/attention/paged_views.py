@@ -86,7 +86,7 @@ def _single_run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     With one query, folding the G heads of a K/V group into the query length is a plain view, and the
     run is one strided view of the pool: five tensor calls where the general path makes some twenty,
-    56 vs 76 us a layer at 200 keys (1 thread). The strides are those of a contiguous pool."""
+    which a one-stream step pays in every layer. The strides are those of a contiguous pool."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     size, stride = (1, hkv, run.length, d), (0, d, hkv * d, 1)  # (1, Hkv, L, D) over the pool's (slot, Hkv, D)
     first = run.first_slot * hkv * d
