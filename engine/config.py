@@ -284,10 +284,10 @@ class EngineConfig:
     # bundled int4 model's 32 streams natively (benchmarks/engine_vs_peers.py, variant engine_int4_w8a8:
     # benchmarks/results/engine_vs_peers_cpu1_native_vs_llama_cpp.json).
     # Off by default, for what it costs besides memory: (1) a stream's tokens then depend on its batch
-    # (1 row: the weight-only kernel, 6+: int8 activations; 8 int4 streams together vs alone agreed on
-    # 42% of 32 greedy tokens), so speculative decoding is no longer exact against plain decoding (a
-    # verify of 6+ rows rounds as a batch); (2) int8 weights fall under the 0.9 greedy agreement with
-    # fp32 that the weight-only path keeps (0.90 vs 0.95; int4 0.85 vs 0.87, tests/engine/test_quantized.py);
+    # (1 row: the weight-only kernel, 6+: int8 activations; tests/engine/quant/test_w8a8.py), so
+    # speculative decoding is no longer exact against plain decoding (a verify of 6+ rows rounds as a
+    # batch); (2) int8 weights fall under the 0.9 greedy agreement with fp32 that the weight-only path
+    # keeps (tests/engine/test_quantized.py);
     # (3) at int4 the copy grows with the model (+8 GiB for an 8B model), which a pod sized for its 4-bit
     # weights would not have. Throughput-bound deployments that accept int8 activations (llama.cpp
     # quantizes its activations to 8 bits on every step) turn it on: `decodectl engine --w8a8`.
