@@ -1,8 +1,8 @@
 """The int8 KV pool's rows: each (slot, head) row is D int8 codes followed by its fp32 scale, 4 bytes.
 
 Why int8: at long contexts a CPU decode step is bound by the K/V it reads, and that read also evicts the
-step's weights and activations from cache (benchmarks/kv_traffic.py: at 2.6k keys, 2 threads, int8 pools
-save 1.6 ms of a 10.7 ms step against bf16). Why the scale inside the row: the pool stays one tensor per
+step's weights and activations from cache, which half the bytes relieve (benchmarks/kv_traffic.py,
+`int8_vs_bf16_stream_step_ms` in kv_traffic_2600_cpu2.json). Why the scale inside the row: the pool stays one tensor per
 layer and K/V, so every reader (the model, the runner, prefix caching, the draft runner) keeps handling
 (k_cache, v_cache) pairs, and the native kernel finds a row's scale where it reads the row.
 
