@@ -1,8 +1,8 @@
 """The dense path's 4-bit dequantization as one C++ pass (dequant_int4.cpp).
 
 Why: a prompt chunk dequantizes every 4-bit matrix it runs dense, and torch's six elementwise passes
-cost as much as the chunk's GEMM (native bf16: ~160 of ~600 ms of a 550-token prompt at 1 thread),
-which also kept short chunks on the weight-only kernel, whose cost grows with rows. No stock op fuses
+cost a large share of the chunk's time (benchmarks/decode_step.py profiles a step's ops), which also
+kept short chunks on the weight-only kernel, whose cost grows with rows. No stock op fuses
 nibble unpacking with the group affine.
 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py); a build that
