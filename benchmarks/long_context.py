@@ -2,7 +2,7 @@
 
     .venv/bin/python -P benchmarks/long_context.py [--threads 1] [--contexts 512,1024,2048,4096]
         [--decode-tokens 32] [--quantization auto] [--dtype auto] [--kv-cache-dtype auto]
-        [--out benchmarks/results/long_context_int4_cpu1.json]
+        [--out FILE]
 
 For each context N: a document of N tokens, then a question of about 10 tokens.
 - miss: TTFT of document + question A with nothing of it cached, and decode tokens/s of the answer
