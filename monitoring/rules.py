@@ -6,6 +6,11 @@ budget. The budget comes from the proxies' own `decode_proxy:slo_target_ratio` (
 and the error ratio from their `decode_proxy:slo_requests_total{outcome}` counters, so no rule names a
 service or a target. scripts/generate_dashboards.py writes the file into the chart
 (charts/decodeservice-operator/files/rules.yaml), which wraps it in a PrometheusRule.
+
+A burn needs traffic to mean anything: with one request in a window, its one miss is an error ratio of
+1, a burn of 20x on a 95% target. So each window of a pair must also hold at least `slo_min_requests`
+requests judged against the objective; the threshold is a recording rule (a constant, as Sloth records
+its objectives) so the chart can set it (`monitoring.rules.minRequests`) without touching any alert.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from typing import Any
 RUNBOOK_BASE = "https://github.com/decodeservice/decodeservice/blob/main/docs/troubleshooting.md"
 # Recording-rule names follow the level:metric:operations convention.
 ERROR_RATIO = "decodeservice:slo_error_ratio:rate{window}"
+REQUESTS = "decodeservice:slo_requests:increase{window}"
 BUDGET = "decodeservice:slo_error_budget"
+MIN_REQUESTS = "decodeservice:slo_min_requests"
+# Below 10 requests a single miss moves a window's error ratio by more than 0.1, which is itself a page
+# (14.4x) on a 99% target; at 10 or more it takes two misses in ten, a real pattern, to page there.
+DEFAULT_MIN_REQUESTS = 10
 _BY = "namespace, service, class, objective"
 
 
@@ -51,12 +61,18 @@ def _recording_rules() -> list[dict[str, Any]]:
         "record": BUDGET,
         # Every pod of a service reads one policy; max keeps the series while pods roll.
         "expr": "1 - max by (namespace, service) (decode_proxy:slo_target_ratio)",
+    }, {
+        # The chart's monitoring.rules.minRequests replaces the number (templates/monitoring-rules.yaml).
+        "record": MIN_REQUESTS,
+        "expr": f"vector({DEFAULT_MIN_REQUESTS})",
     }]
     for window in WINDOWS:
         missed = (f'sum by ({_BY}) (rate(decode_proxy:slo_requests_total{{objective=~"ttft|itl", '
                   f'outcome="missed"}}[{window}]))')
         total = f'sum by ({_BY}) (rate(decode_proxy:slo_requests_total{{objective=~"ttft|itl"}}[{window}]))'
         rules.append({"record": ERROR_RATIO.format(window=window), "expr": f"{missed} / {total}"})
+        judged = f'sum by ({_BY}) (increase(decode_proxy:slo_requests_total{{objective=~"ttft|itl"}}[{window}]))'
+        rules.append({"record": REQUESTS.format(window=window), "expr": judged})
     return rules
 
 
@@ -64,12 +80,17 @@ def _burn(b: BurnWindow) -> str:
     def over(window: str) -> str:
         # The burn rate: how many times faster than the budget allows the errors come.
         return f"{ERROR_RATIO.format(window=window)} / on (namespace, service) group_left {BUDGET} > {b.factor:g}"
-    return f"({over(b.long)} and {over(b.short)})"
+
+    def busy(window: str) -> str:
+        return f"{REQUESTS.format(window=window)} >= on () group_left {MIN_REQUESTS}"
+    # The value stays the long window's burn rate (the left-most operand), which the description prints.
+    return (f"(\n  {over(b.long)}\n  and {over(b.short)}\n  and on ({_BY}) {busy(b.long)}"
+            f"\n  and on ({_BY}) {busy(b.short)}\n)")
 
 
 def _burn_alert(name: str, windows: tuple[BurnWindow, ...], *, severity: str, for_: str,
                 speed: str) -> dict[str, Any]:
-    expr = "\n  or\n".join(_burn(b) for b in windows)
+    expr = "\nor\n".join(_burn(b) for b in windows)
     pairs = ", ".join(f"{b.long}/{b.short} at {b.factor:g}x" for b in windows)
     return {
         "alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from decodeservice.monitoring.panels import PANELS
-from decodeservice.monitoring.rules import rule_groups
+from decodeservice.monitoring.rules import DEFAULT_MIN_REQUESTS, MIN_REQUESTS, rule_groups
 from tests.operator.helpers import CHART
 
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
@@ -121,6 +121,25 @@ def test_the_prometheus_rule_is_valid_and_carries_the_generated_rules(chart: hel
     _meta_is_valid(rule)
     assert rule["spec"] == rule_groups()
     assert rule["metadata"]["labels"]["release"] == "prom"
+
+
+def test_min_requests_sets_the_recorded_threshold_and_nothing_else(chart: helm_python.Chart) -> None:
+    values = copy.deepcopy(ALL_ON)
+    values["monitoring"]["rules"]["minRequests"] = 25
+    spec = next(d for d in render(chart, values) if d["kind"] == "PrometheusRule")["spec"]
+    expected = rule_groups()
+    threshold = next(r for r in expected["groups"][0]["rules"] if r.get("record") == MIN_REQUESTS)
+    assert threshold["expr"] == f"vector({DEFAULT_MIN_REQUESTS})"
+    threshold["expr"] = "vector(25)"
+    assert spec == expected
+
+
+@pytest.mark.parametrize(("value", "message"), [("many", "must be a number"), (-1, "must be >= 0")])
+def test_a_bad_min_requests_fails_the_render(chart: helm_python.Chart, value: Any, message: str) -> None:
+    values = copy.deepcopy(ALL_ON)
+    values["monitoring"]["rules"]["minRequests"] = value
+    with pytest.raises(helm_python.HelmError, match=message):
+        render(chart, values)
 
 
 def test_the_schema_check_can_fail(chart: helm_python.Chart) -> None:
