@@ -4,7 +4,8 @@ POST /v1/completions and /v1/chat/completions go through
 
     ErrorBoundary (the proxy's) > DrainGate > JsonBody (413/400, the proxy's) > Dispatcher
 
-GET /v1/models goes to any ready endpoint; /health, /ready and /metrics are the router's own. /ready is
+(straight from the ASGI entry, as the proxy's own completion routes: `ProxyApp`). GET /v1/models goes to
+any ready endpoint; /health, /ready and /metrics are the router's own. /ready is
 200 even with no endpoint: the router then holds requests, which is what lets a service scale to zero.
 """
 
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from decodeservice.proxy.app import COMPLETION_PATHS, DrainGate, ErrorBoundary
+from decodeservice.proxy.app import COMPLETION_PATHS, DrainGate, ErrorBoundary, ProxyApp
 from decodeservice.proxy.request_body import JsonBody
 from decodeservice.proxy.streaming import UpstreamTimeouts, relay
 from decodeservice.proxy.upstream import forward_headers, make_client
@@ -62,7 +63,7 @@ class ModelsForwarder:
                                  headers={"Retry-After": "1"}).to_response()(scope, receive, send)
 
 
-def create_app(config: RouterConfig, source: EndpointSource, *, lifecycle: Lifecycle | None = None) -> Starlette:
+def create_app(config: RouterConfig, source: EndpointSource, *, lifecycle: Lifecycle | None = None) -> ProxyApp:
     lifecycle = lifecycle or Lifecycle(phase=Phase.READY)
     metrics = RouterMetrics()
     fleet = Fleet(index=PrefixIndex(max_blocks_per_endpoint=config.max_blocks_per_endpoint),
@@ -112,7 +113,10 @@ def create_app(config: RouterConfig, source: EndpointSource, *, lifecycle: Lifec
         Route("/v1/models", ModelsForwarder(fleet=fleet, client=client), methods=["GET"]),
         *(Route(path, completions, methods=["POST"]) for path in COMPLETION_PATHS),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception_handler})
+    router = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_exception_handler})
+    # The proxy's shortcut: completion POSTs skip Starlette's middleware, which wraps `send` once per
+    # chunk of every stream (proxy/app.py's ProxyApp says more); the rest is routed as before.
+    app = ProxyApp(router, completions=completions)
     app.state.config = config
     app.state.fleet = fleet
     app.state.metrics = metrics

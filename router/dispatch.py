@@ -41,6 +41,7 @@ from decodeservice.serving.errors import ServiceUnavailable
 # interactive one only past the whole of it: as load rises batch goes first, and what it leaves is the
 # headroom interactive requests keep meeting the objective with.
 BATCH_SHED_SHARE = 0.8
+_MAX_URLS = 4096
 MAX_ATTEMPTS = 8  # endpoints tried for one request before a 503 (each failure marks one unready)
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -101,6 +102,11 @@ class Dispatcher:
         self.timeouts = timeouts
         self.held = 0
         self._transport = getattr(client, "transport", None)
+        # Per endpoint and route, the parsed URL: parsing a URL costs more than the rest of forwarding
+        # a request (the proxy's Forwarder keeps them for the same reason). Emptied past _MAX_URLS, as
+        # pods come and go with new addresses.
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._timeout = client.timeout.as_dict()
 
     def salt(self, ctx: RequestContext) -> str | None:
         """The cache salt the engine will key this prompt by: the tenant's under isolatePrefixCache (the
@@ -175,9 +181,14 @@ class Dispatcher:
         url = decision.endpoint
         handle = self.fleet.dispatched(url, uncached=max(1, keys.tokens - decision.hit_tokens),
                                        predicted_ttft_s=decision.predicted_ttft_s)
-        request = httpx.Request("POST", url + scope["path"], content=ctx.raw_body,
+        target = self._urls.get((url, scope["path"]))
+        if target is None:
+            if len(self._urls) >= _MAX_URLS:
+                self._urls.clear()
+            target = self._urls[url, scope["path"]] = httpx.URL(url + scope["path"])
+        request = httpx.Request("POST", target, content=ctx.raw_body,
                                 headers=forward_headers(scope, content_type=b"application/json"),
-                                extensions={"timeout": self.client.timeout.as_dict()})
+                                extensions={"timeout": self._timeout})
         sent_at, sent_perf = asyncio.get_running_loop().time(), time.perf_counter()
         first_token_s = self.timeouts.first_token_s
         try:

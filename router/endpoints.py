@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -66,6 +65,13 @@ class EndpointSliceWatch:
     service: str
     namespace: str
     port: int
+    # Builds the `kubernetes` ApiClient; None: from the pod's in-cluster config (tests pass one for the
+    # API emulator).
+    api_client: Callable[[], Any] | None = None
+    watch_timeout_s: int = WATCH_TIMEOUT_S
+    # A read that waits longer than this ends the watch and the slices are listed again. Beyond the
+    # server's own `timeoutSeconds` in a cluster; short in tests, so that a stopped watch's thread ends.
+    read_timeout_s: float = WATCH_TIMEOUT_S + 10
 
     @staticmethod
     def check_config() -> None:
@@ -80,7 +86,8 @@ class EndpointSliceWatch:
         stop = threading.Event()
 
         def hand_over(endpoints: dict[str, bool | None]) -> None:
-            loop.call_soon_threadsafe(publish, endpoints)
+            if not stop.is_set():
+                loop.call_soon_threadsafe(publish, endpoints)
 
         thread = threading.Thread(target=self._watch, args=(hand_over, stop), name="endpointslice-watch",
                                   daemon=True)
@@ -90,23 +97,35 @@ class EndpointSliceWatch:
         finally:
             stop.set()
 
+    def _client(self) -> Any:
+        import kubernetes
+
+        k8s: Any = kubernetes
+        if self.api_client is not None:
+            return self.api_client()
+        k8s.config.load_incluster_config()  # checked by the CLI before the server started
+        return k8s.client.ApiClient()
+
     def _watch(self, publish: Publish, stop: threading.Event) -> None:
         import kubernetes
+        import urllib3
 
         # The client's models type every field Optional and its helpers are untyped: read it as Any.
         k8s: Any = kubernetes
-        k8s.config.load_incluster_config()  # checked by the CLI before the server started
-        api = k8s.client.DiscoveryV1Api()
-        serialize = k8s.client.ApiClient().sanitize_for_serialization
+        client = self._client()
+        api = k8s.client.DiscoveryV1Api(client)
+        serialize = client.sanitize_for_serialization
         selector = f"{SERVICE_NAME_LABEL}={self.service}"
         while not stop.is_set():
             try:
-                listed = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
+                listed = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector,
+                                                            _request_timeout=self.read_timeout_s)
                 slices = {s.metadata.name: serialize(s) for s in listed.items}
                 publish(merge_slices(slices.values(), port=self.port))
                 stream = k8s.watch.Watch().stream(
                     api.list_namespaced_endpoint_slice, self.namespace, label_selector=selector,
-                    resource_version=listed.metadata.resource_version, timeout_seconds=WATCH_TIMEOUT_S)
+                    resource_version=listed.metadata.resource_version, timeout_seconds=self.watch_timeout_s,
+                    _request_timeout=self.read_timeout_s)
                 for event in stream:
                     obj = event["object"]
                     name = obj.metadata.name
@@ -117,7 +136,9 @@ class EndpointSliceWatch:
                     publish(merge_slices(slices.values(), port=self.port))
                     if stop.is_set():
                         return
+            except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError):
+                continue  # a quiet watch (or one the server closed): list again and watch on
             except Exception as exc:  # API errors, an expired resourceVersion (410): list again
                 log.warning("EndpointSlice watch for %s/%s failed (%s); retrying", self.namespace,
                             self.service, exc)
-                time.sleep(RETRY_S)
+                stop.wait(RETRY_S)

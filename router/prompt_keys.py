@@ -23,6 +23,7 @@ the same in every router replica, so it is a BLAKE2b digest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ class PromptKeys:
     conversation: bytes  # what two routers hash with each endpoint to agree on a cold prefix
 
 
+@functools.lru_cache(maxsize=4096)  # one per tenant: computed once, and its hash() cached with it
 def root_digest(salt: str | None) -> bytes:
     """The chain's root: tenants with different salts (isolatePrefixCache) never share a key."""
     tagged = b"\x00" if salt is None else b"\x01" + salt.encode("utf-8", "surrogatepass")

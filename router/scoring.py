@@ -19,7 +19,8 @@ endpoint holds. Then:
    fastest of them (`rendezvous`). Two routers that see the same endpoints pick the same one without
    sharing state, so running two does not split a conversation's turns between two caches;
 4. no endpoint within the objective: the least predicted TTFT (`least_predicted_ttft`), or a shed
-   when even that one is over the objective, busy, and its cost model has been observed (`should_shed`).
+   when even that one is over the objective, busy, and its cost model has been observed, unless the
+   request's own prefill is over the objective by itself (`should_shed`).
 """
 
 from __future__ import annotations
@@ -122,14 +123,25 @@ def should_shed(views: Sequence[EndpointView], *, prompt_tokens: int, objective_
 
     As the proxy's admission: a request some endpoint would start at once (no prefill ahead of it: the
     engine batches it in with the streams already decoding) is never shed, since refusing it could make
-    no one faster; nor is one whose prediction rests only on the prior (nothing observed yet).
+    no one faster; nor is one whose prediction rests only on the prior (nothing observed yet). Nor is
+    one whose own prefill is predicted past the objective on every endpoint (a long cold prompt on a
+    slow replica): no retry can meet the objective, so a refusal only adds the client's wait to its TTFT,
+    and under steady load it would be refused on every retry while any prefill runs anywhere.
     """
     best = min(predicted_ttft(v, prompt_tokens) for v in views)
     if best <= objective_s:
         return None
     if any(not v.busy or not v.observed for v in views):
         return None
+    if min(own_prefill_s(v, prompt_tokens) for v in views) > objective_s:
+        return None
     return best
+
+
+def own_prefill_s(view: EndpointView, prompt_tokens: int) -> float:
+    """What the request's own uncached prompt is predicted to take on the endpoint, nothing ahead of it
+    (without the base, which is mostly a step's fixed cost and says nothing about this prompt)."""
+    return max(prompt_tokens - effective_hit(view), 1) * view.cost_per_token_s
 
 
 def retry_after_seconds(predicted_s: float, objective_s: float) -> int:

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-from starlette.applications import Starlette
 
+from decodeservice.proxy.app import ProxyApp
 from decodeservice.proxy.policy import Policy
 from decodeservice.router.app import create_app
 from decodeservice.router.config import RouterConfig
@@ -31,7 +31,7 @@ async def fake_engines(n: int, **knobs: Any) -> AsyncIterator[list[FakeEngine]]:
 
 @contextlib.asynccontextmanager
 async def running_router(urls: list[str], *, policy: dict[str, Any] | None = None, wait_ready: int | None = None,
-                         **config: Any) -> AsyncIterator[tuple[Starlette, httpx.AsyncClient]]:
+                         **config: Any) -> AsyncIterator[tuple[ProxyApp, httpx.AsyncClient]]:
     """A router over `urls`, served on loopback, with a client; waits until `wait_ready` (default: all)
     endpoints are ready."""
     config.setdefault("scrape_interval_s", 0.05)

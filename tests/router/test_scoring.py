@@ -127,3 +127,12 @@ def test_the_prefill_model_keeps_its_slope_when_every_sample_is_one_size() -> No
     estimate = model.estimate
     assert estimate.base_s + 500 * estimate.cost_per_token_s == pytest.approx(1.0, rel=0.05)
     assert estimate.cost_per_token_s > 0
+
+
+def test_a_prompt_too_long_to_meet_the_objective_alone_is_queued_not_shed() -> None:
+    # 1500 uncached tokens take 1.5 s to prefill: past a 1 s objective whatever the load, so a refusal
+    # could only add the client's wait; the same prompt two thirds cached would meet it alone.
+    over = [view("a", ahead=2000, busy=True), view("b", ahead=2000, busy=True)]
+    assert should_shed(over, prompt_tokens=1500, objective_s=1.0) is None
+    half = [dataclasses.replace(v, hit_tokens=1000) for v in over]
+    assert should_shed(half, prompt_tokens=1500, objective_s=1.0) == pytest.approx(BASE + 2500 * COST)
