@@ -158,8 +158,12 @@ def test_the_proxys_ttft_and_itl_histograms_measure_real_streams(client: httpx.C
     itl_before = _metric(client.get("/metrics").text, "decode_proxy:inter_token_latency_seconds_count")
     events = _events(client.post("/v1/chat/completions", json=_chat(max_tokens=6, stream=True,
                                                                     ignore_eos=True)).text)
-    text = client.get("/metrics").text
     tokens = sum(1 for e in events if e["choices"] and e["choices"][0]["delta"].get("content"))
+    # The proxy records a request once its last byte is sent; the client, holding that byte, can ask
+    # /metrics first (uvicorn takes the next request on the connection then), so wait a moment for it.
+    deadline = time.monotonic() + 5
+    while _metric(text := client.get("/metrics").text, name) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _metric(text, name) == before + 1
     assert _metric(text, "decode_proxy:inter_token_latency_seconds_count") - itl_before == tokens - 1
     assert re.search(r'decode_proxy:slo_attainment_ratio\{class="interactive",objective="ttft"\} ', text)
