@@ -1,13 +1,14 @@
-"""`decodectl demo`'s dashboard: a Prometheus of the demo's own scrapes its proxy, and at the end the
+"""`decodectl demo`'s dashboard: a Prometheus of the demo's own scrapes its proxies, and at the end the
 dashboard's panels are drawn to dashboard.png from it (monitoring/png.py), as `decodectl dashboard` draws
 them from a cluster's Prometheus.
 
-The proxy's /metrics carries its own `decode_proxy:*` series and relays the engine's `vllm:*` ones, so
-one target holds both, as the chart's PodMonitor scrapes one port per pod. The target's labels are the
-ones the PodMonitor's relabelling and the Prometheus Operator give a pod's series (`namespace`,
-`service`, `pod`), so the dashboard's queries select them unchanged. Panels fed only by the operator
-(replicas) or by a router have nothing to show here and are left out; speculation acceptance, which the
-demo compares, is drawn beside the main panels.
+A proxy's /metrics carries its own `decode_proxy:*` series and relays its engine's `vllm:*` ones, so one
+target per proxy holds both, as the chart's PodMonitor scrapes one port per pod. Each target carries the
+labels the PodMonitor's relabelling and the Prometheus Operator give a pod's series (`namespace`,
+`service`, `pod`), one service per proxy (the demo's engines with speculation off and on are two, side
+by side in every panel), so the dashboard's queries select them unchanged. Panels fed only by the
+operator (replicas) or by a router have nothing to show here and are left out; speculation acceptance,
+which the demo compares, is drawn beside the main panels.
 
 Without the `prometheus` binary (Debian: apt-get install prometheus) or matplotlib the demo says so and
 draws nothing; every other step of the demo runs as before.
@@ -16,7 +17,10 @@ draws nothing; every other step of the demo runs as before.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from rich.console import Console
@@ -32,6 +36,7 @@ SCRAPE_INTERVAL_S = 1.0
 RATE_INTERVAL_S = 15
 _POINTS = 240  # samples per line, whatever the demo's length
 LOCAL_SOURCES = frozenset({Source.PROXY, Source.ENGINE})
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a label value the dashboard's regexes take as is
 
 
 def local_panels(sources: frozenset[Source] = LOCAL_SOURCES) -> tuple[Panel, ...]:
@@ -54,25 +59,31 @@ class DemoView:
     """Start with `watch()` once the proxy is ready, `draw()` after the runs, `close()` in `finally`."""
 
     console: Console = dataclasses.field(default_factory=lambda: Console(stderr=True))
+    binary: str | None = dataclasses.field(default_factory=find_binary)  # None: not installed
     out: Path | None = None
     prometheus: LocalPrometheus | None = None
+    services: tuple[str, ...] = ()
     started: float = 0.0
 
-    def watch(self, *, proxy_url: str, out: Path, console: Console | None = None,
-              router_url: str | None = None) -> None:
-        """Start the Prometheus and wait for its first scrape, so the first requests' counts are rises."""
+    def watch(self, *, out: Path, proxy_url: str | None = None, services: Mapping[str, str] | None = None,
+              console: Console | None = None) -> None:
+        """Start the Prometheus on the demo's proxies and wait for its first scrape, so the first requests'
+        counts are rises: `proxy_url` is the service "demo"; `services` names one service per proxy URL
+        (speculation off and on, drawn side by side)."""
         self.console = console or self.console
         self.out = out
-        binary = find_binary()
+        targets = {**(services or {}), **({SERVICE: proxy_url} if proxy_url is not None else {})}
+        if not targets or not all(_NAME.match(name) for name in targets):
+            raise ValueError(f"DemoView.watch needs proxies named like Kubernetes objects, got {sorted(targets)}")
+        binary = self.binary
         if binary is None:
             self.console.print("[yellow]prometheus is not installed (Debian: apt-get install prometheus): "
                                "the demo runs without its dashboard picture[/]")
             return
-        labels = {"namespace": NAMESPACE, "service": SERVICE}
-        jobs = [static_job("decodeservice-pods", proxy_url, {**labels, "pod": f"{SERVICE}-0", "component": "engine"})]
-        if router_url is not None:
-            jobs.append(static_job("decodeservice-router", router_url,
-                                   {**labels, "pod": f"{SERVICE}-router-0", "component": "router"}))
+        self.services = tuple(targets)
+        jobs = [static_job(f"decodeservice-pods-{name}", url, {"namespace": NAMESPACE, "service": name,
+                                                              "pod": f"{name}-0", "component": "engine"})
+                for name, url in targets.items()]
         prometheus = LocalPrometheus(binary=binary, jobs=jobs, folder=out / "prometheus",
                                      scrape_interval_s=SCRAPE_INTERVAL_S)
         try:
@@ -96,8 +107,11 @@ class DemoView:
         try:
             self.prometheus.wait_scraped(after=time.time())  # the last increments are in
             end = time.time()
-            window = TimeRange(start=self.started, end=end, step=max(1.0, round((end - self.started) / _POINTS)))
-            view = png.View(window=window, namespace=NAMESPACE, service=SERVICE, rate_interval_s=RATE_INTERVAL_S)
+            step = max(1.0, round((end - self.started) / _POINTS))
+            # Steps count back from now, so the last one falls after that scrape, not up to a step before it.
+            window = TimeRange(start=end - math.ceil((end - self.started) / step) * step, end=end, step=step)
+            view = png.View(window=window, namespace=NAMESPACE, service="|".join(self.services),
+                            rate_interval_s=RATE_INTERVAL_S)
             with PrometheusClient(self.prometheus.url) as client:
                 data = png.render(client, view, path, panels=local_panels(sources))
         except PrometheusError as exc:

@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ class LocalPrometheus:
             return httpx.get(f"{self.url}/-/ready", timeout=1.0).status_code == 200
         return False
 
-    def _wait(self, condition: Any, *, timeout_s: float, what: str) -> None:
+    def _wait(self, condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition():
             if time.monotonic() > deadline:
@@ -122,7 +123,8 @@ class LocalPrometheus:
 
         def scraped() -> bool:
             with contextlib.suppress(httpx.HTTPError):
-                up = self.instant("timestamp(up == 1)")
+                # timestamp() reads a sample's own time only straight off a selector: `and` keeps it.
+                up = self.instant("timestamp(up) and up == 1")
                 return len(up) == len(self.jobs) and all(float(s["value"][1]) > after for s in up)
             return False
 

@@ -66,7 +66,7 @@ def _scale(unit: Unit) -> tuple[float, str]:
         unit, (1.0, ""))
 
 
-def draw(data: Sequence[PanelData], path: Path, *, title: str) -> None:
+def draw(data: Sequence[PanelData], path: Path, *, title: str, window: TimeRange | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
@@ -75,30 +75,40 @@ def draw(data: Sequence[PanelData], path: Path, *, title: str) -> None:
 
     cols = 3
     rows = math.ceil(len(data) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 3.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.8 * rows), squeeze=False)
     for ax, item in zip(axes.flat, data, strict=False):
         factor, suffix = _scale(item.panel.unit)
         ax.set_title(item.panel.title, fontsize=11, loc="left")
         shown = item.lines[:_MAX_LINES]
         for name, series in shown:
             times = [datetime.datetime.fromtimestamp(t) for t in series.times]
-            ax.plot(times, [v * factor for v in series.values], label=name, linewidth=1.3)
+            values = [v * factor for v in series.values]
+            # A line of one or two points draws nothing visible: mark its points.
+            sparse = sum(math.isfinite(v) for v in values) < 3
+            ax.plot(times, values, label=name, linewidth=1.3, marker="o" if sparse else None, markersize=3)
         if not shown:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
         else:
             more = f" (+{len(item.lines) - len(shown)} more)" if len(item.lines) > len(shown) else ""
-            ax.legend(fontsize=7, loc="upper left", title=more or None, title_fontsize=7)
+            # Below the plot, not on it: a legend inside hides the lines it names.
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=2, frameon=False,
+                      title=more or None, title_fontsize=7)
         if item.panel.unit is Unit.RATIO:
             ax.set_ylim(0, 105)
+        else:  # every panel is a rate, a count or a latency: from 0, so a flat line reads as its level
+            ax.set_ylim(bottom=0, top=None if ax.get_ylim()[1] > 0 else 1)
         ax.set_ylabel(suffix)
-        locator = mdates.AutoDateLocator(maxticks=6)  # type: ignore[no-untyped-call]
+        if window is not None:  # every panel on the same time axis, as in Grafana
+            ax.set_xlim(datetime.datetime.fromtimestamp(window.start), datetime.datetime.fromtimestamp(window.end))
+        # minticks 3: with the default 5 beside maxticks, some spans (3 min) find no interval and warn.
+        locator = mdates.AutoDateLocator(minticks=3, maxticks=7)  # type: ignore[no-untyped-call]
         ax.xaxis.set_major_locator(locator)
         ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(data):]:
         ax.axis("off")
     fig.suptitle(title, fontsize=13)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.97))  # the top 3% for the title, clear of the first row's titles
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -109,5 +119,6 @@ def render(client: PrometheusClient, view: View, path: Path,
     data = fetch(client, view, panels)
     start = datetime.datetime.fromtimestamp(view.window.start).strftime("%Y-%m-%d %H:%M")
     who = "every DecodeService" if view.service == ".+" else view.service
-    draw(data, path, title=f"DecodeService: {who}, from {start} ({int(view.window.end - view.window.start)} s)")
+    draw(data, path, title=f"DecodeService: {who}, from {start} ({int(view.window.end - view.window.start)} s)",
+         window=view.window)
     return data

@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a real engine + proxy (and the operator's /metrics) under a short load:
 every dashboard panel's query returns data with the labels its legend shows, and `decodectl dashboard`
-draws them.
+draws them; `decodectl demo`'s view (its own Prometheus scraping the same proxy) draws its panels too.
 
 Each scrape job stands in for the chart's PodMonitor in a cluster: the target carries the discovery
 labels Kubernetes would give it from the pod labels the operator renders (`__meta_kubernetes_pod_label_*`),
@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import copy
 import importlib.util
+import io
 import math
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,11 @@ import helm_python
 import httpx
 import pytest
 import yaml
+from rich.console import Console
 
 from decodeservice.engine.config import SpeculativeConfig
+from decodeservice.monitoring import demo_view
+from decodeservice.monitoring.demo_view import DemoView, local_panels
 from decodeservice.monitoring.panels import PANELS, Query, Source, expand
 from decodeservice.monitoring.prometheus import PrometheusClient, PrometheusError, TimeRange
 from decodeservice.operator.manifests import MANAGED_BY, build_children
@@ -65,6 +69,8 @@ RATE_INTERVAL = "20s"
 class Stack:
     prometheus: str
     statuses: dict[int, int]  # HTTP status -> count, of the load's requests
+    proxy: str
+    load: Callable[[], dict[int, int]]  # one round of the load again, through the proxy: statuses
 
 
 def _decode_service() -> dict[str, Any]:
@@ -76,7 +82,7 @@ def _decode_service() -> dict[str, Any]:
     return body
 
 
-async def _load(client: httpx.AsyncClient, statuses: dict[int, int]) -> None:
+async def _load(client: httpx.AsyncClient, statuses: dict[int, int], rounds: int = 3) -> None:
     async def one(priority: str, max_tokens: int) -> None:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "temperature": 0,
                 "stream_options": {"include_usage": True}}
@@ -85,7 +91,7 @@ async def _load(client: httpx.AsyncClient, statuses: dict[int, int]) -> None:
                 pass
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
 
-    for _ in range(3):  # rounds a few seconds apart, so each rate window sees more than one scrape
+    for _ in range(rounds):  # rounds a few seconds apart, so each rate window sees more than one scrape
         await asyncio.gather(*(one("interactive", 16) for _ in range(2)), *(one("batch", 8) for _ in range(5)))
 
 
@@ -218,11 +224,16 @@ def stack(bundled: ModelBundle, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
             wait_until(scraped_twice, timeout=30, what="prometheus to scrape every target twice", interval=0.2)
 
-            async def load() -> None:
-                async with _client(front) as client:
-                    await _load(client, statuses)
+            async def load(url: str, into: dict[int, int], rounds: int = 3) -> None:
+                async with _client(url) as client:
+                    await _load(client, into, rounds)
 
-            servers.run(load())
+            def again() -> dict[int, int]:
+                out: dict[int, int] = {}
+                servers.run(load(servers.urls["proxy"], out, rounds=1))
+                return out
+
+            servers.run(load(front, statuses))
             loaded = time.time()
 
             def scraped_after_load() -> bool:
@@ -232,7 +243,7 @@ def stack(bundled: ModelBundle, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 return bool(result) and float(result[0]["value"][1]) > loaded + 2.0
 
             wait_until(scraped_after_load, timeout=30, what="prometheus to scrape the load", interval=0.2)
-            yield Stack(prometheus=prometheus, statuses=statuses)
+            yield Stack(prometheus=prometheus, statuses=statuses, proxy=servers.urls["proxy"], load=again)
 
 
 def _queries() -> list[Any]:
@@ -285,3 +296,36 @@ def test_a_query_prometheus_refuses_is_reported_with_its_reason(stack: Stack) ->
     with PrometheusClient(stack.prometheus) as client, pytest.raises(PrometheusError, match="bad_data"):
         end = client_time(stack.prometheus)
         client.query_range("sum(decode_proxy:requests_total", TimeRange(start=end - 60, end=end, step=1.0))
+
+
+def test_the_demo_view_draws_its_panels_from_its_own_prometheus(stack: Stack, tmp_path: Path) -> None:
+    # What `decodectl demo` does around its runs: start a Prometheus of its own on the proxy, load, draw.
+    said = io.StringIO()
+    console = Console(file=said, width=200)
+    view = DemoView(console=console, binary=binary("prometheus"))
+    try:
+        # Two services as the demo's speculation off and on, here both on the one proxy.
+        view.watch(services={"spec-off": stack.proxy, "spec-on": stack.proxy}, out=tmp_path, console=console)
+        assert view.prometheus is not None, said.getvalue()
+        assert stack.load().get(200, 0) >= 2
+        picture = view.render()
+    finally:
+        view.close()
+    assert picture is not None, said.getvalue()
+    assert picture.path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.path.stat().st_size > 20_000
+    assert [d.panel.title for d in picture.panels] == [p.title for p in local_panels()]
+    assert picture.empty == (), f"no data in {picture.empty}"
+    for data in picture.panels:  # the demo's own labels, as the dashboard's queries select them
+        assert {s.labels.get("service") for _, s in data.lines} == {"spec-off", "spec-on"}, data.panel.title
+        assert all(s.labels.get("namespace") == demo_view.NAMESPACE for _, s in data.lines), data.panel.title
+    assert str(picture.path) in said.getvalue()
+
+
+def test_the_demo_view_says_why_it_draws_nothing_without_prometheus(tmp_path: Path) -> None:
+    said = io.StringIO()
+    console = Console(file=said, width=200)
+    view = DemoView(console=console, binary=None)
+    view.watch(proxy_url=f"http://127.0.0.1:{free_port()}", out=tmp_path, console=console)
+    assert view.draw() == []
+    assert "prometheus is not installed" in said.getvalue()
+    assert not (tmp_path / "dashboard.png").exists()
