@@ -60,8 +60,8 @@ class AutoscalerSettings:
     # replica x utilization). The learned rate is the knee's (s at the up threshold), so 0.95 leaves room
     # for Poisson noise over a window. The waiting line piled up during a cold start is drained over three
     # minutes, about an LLM pod's own cold start (image, weights, warm-up): a pod ordered for the line helps
-    # no sooner, so a shorter horizon orders pods that start after the line is gone (benchmarks/
-    # autoscale_sim.py on sudden bursts: a 60 s horizon held more replica-minutes for the same attainment).
+    # no sooner, so a shorter horizon orders pods that start after the line is gone: on sudden bursts a
+    # 60 s horizon held more replica-minutes for the same attainment (benchmarks/autoscale_sim.py).
     target_utilization: float = 0.95
     backlog_drain_seconds: float = 180.0
 
