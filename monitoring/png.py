@@ -96,7 +96,8 @@ def draw(data: Sequence[PanelData], path: Path, *, title: str, window: TimeRange
         if item.panel.unit is Unit.RATIO:
             ax.set_ylim(0, 105)
         else:  # every panel is a rate, a count or a latency: from 0, so a flat line reads as its level
-            ax.set_ylim(bottom=0, top=None if ax.get_ylim()[1] > 0 else 1)
+            peak = max((v for _, s in shown for v in s.values if math.isfinite(v)), default=0.0)
+            ax.set_ylim(bottom=0, top=None if peak > 0 else 1)
         ax.set_ylabel(suffix)
         if window is not None:  # every panel on the same time axis, as in Grafana
             ax.set_xlim(datetime.datetime.fromtimestamp(window.start), datetime.datetime.fromtimestamp(window.end))
