@@ -323,6 +323,17 @@ class EngineConfig:
         "needs a C++ compiler", flag="--compile", crd="compile",
         note="Builtin engine on CPU; needs quantization int4 or int8. The pod's cache volume keeps the graphs "
              "across container restarts.")
+    # The same request gets the same tokens whatever it shares its steps with: every projection row takes one
+    # kernel whose rows are computed alone (the int8-dot kernel for int4 weights, step_rows.ROW_TILE-padded GEMMs
+    # otherwise: quant/linear.py), every attention row the native paged kernel over its own prefix in one
+    # order (attention/paged_views.py), and a sampled verify draws as plain decoding would
+    # (spec_decode/verify.py). Its cost: benchmarks/deterministic_cost.py.
+    deterministic: bool = knob(
+        False, help="the same request gets the same tokens whatever its batch, prompt chunking, prefix-cache hits "
+        "and speculation: one kernel per row, a fixed reduction order (CPU; costs decode and prompt speed)",
+        flag="--deterministic", crd="deterministic",
+        note="Builtin engine on CPU. With engine.kind vllm the service is refused: vLLM's batch invariance is an "
+             "environment switch for GPUs that the recorded vLLM releases do not show on their command line.")
     # CUDA: replay decode steps (one token per sequence, up to 32 sequences) from CUDA graphs captured at
     # start-up, with flex attention over the paged pool (engine/cuda_graphs.py). Off by default: written
     # for the GPU path but never run on a GPU in this project; only its CPU stand-in is tested.
@@ -341,6 +352,8 @@ class EngineConfig:
         if self.cuda_graphs and self.block_size < 16:
             # flex attention's Triton kernels tile keys by the page, at least 16 of them (attention/flex.py)
             raise ConfigError(f"cuda_graphs needs block_size >= 16 (flex attention pages), not {self.block_size}")
+        if self.deterministic:
+            self._check_deterministic()
         if self.kv_cache_dtype == "int8" and not self.device.startswith("cpu"):
             raise ConfigError(f"kv_cache_dtype='int8' runs on CPU only (its attention paths are CPU ones), not on "
                               f"{self.device}; use kv_cache_dtype 'auto'")
@@ -353,3 +366,16 @@ class EngineConfig:
                 # bf16 or fp32 activations (the kernels get bf16 rows either way: engine/quant/linear.py)
                 raise ConfigError(f"quantization={self.quantization!r} runs bfloat16 or float32 activations, not "
                                   f"{self.dtype}; use dtype auto (this CPU's choice), bfloat16 or float32")
+
+    def _check_deterministic(self) -> None:
+        # Each of these switches a row's kernel by what shares its step, which the mode exists to rule out.
+        if not self.device.startswith("cpu"):
+            raise ConfigError(f"deterministic runs on CPU only (its row-invariant kernels are CPU ones), not on {self.device}")
+        if self.w8a8:
+            raise ConfigError("deterministic and w8a8 exclude each other: w8a8 gives a row int8 activations only "
+                              "in calls of 6+ rows, so its tokens depend on its batch")
+        if self.compile:
+            raise ConfigError("deterministic and compile exclude each other: the compiled decode step is traced "
+                              "with the default row paths; leave compile off")
+        if self.dtype == "float16":
+            raise ConfigError("deterministic needs float32 or bfloat16 activations (the native attention kernel's)")

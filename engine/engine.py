@@ -86,7 +86,8 @@ class Engine:
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, dtype=self.dtype, compile_step=config.compile,
-                                  cuda_graphs=config.cuda_graphs, kv_dtype=self.kv_dtype)
+                                  cuda_graphs=config.cuda_graphs, kv_dtype=self.kv_dtype,
+                                  deterministic=config.deterministic)
         self.attention_choice = self._choose_attention_path(model.config, config.block_size)
         self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -96,7 +97,8 @@ class Engine:
 
             self.spec = SpeculativeDecoder.create(config.speculative, target=model, draft=draft,
                                                   num_blocks=num_blocks, block_size=config.block_size,
-                                                  device=self.device, dtype=self.dtype)
+                                                  device=self.device, dtype=self.dtype,
+                                                  deterministic=config.deterministic)
             if config.speculative.draft_row_cost is None:
                 cost = self.runner.verify_row_cost(drafts=config.speculative.num_tokens)
                 self.spec.row_cost = cost.row_cost
@@ -140,7 +142,16 @@ class Engine:
         # Prompt spans take the kernel wherever it is built, measured faster or not: a prefix hit must
         # compute what the miss computed (paged_views.py's docstring).
         backend.prompt_kernel = native
-        if self.kv_dtype == torch.int8 and native is not None:
+        if self.config.deterministic:
+            if native is None:
+                raise ConfigError(
+                    f"deterministic mode runs every attention row through the native paged-decode kernel, which is "
+                    f"not available here ({str(self.dtype).removeprefix('torch.')} activations, head_dim "
+                    f"{cfg.head_dim}: it takes float32 or bfloat16 and head_dim 32, 64 or 128, and needs a C++ "
+                    "compiler at first start)")
+            backend.decode_kernel = native
+            choice = dataclasses.replace(choice, native_decode=True, source=f"{choice.source}; deterministic: every row")
+        elif self.kv_dtype == torch.int8 and native is not None:
             # Measured against bf16 pools; over int8 pools the torch paths read a dequantized copy of every
             # key, so the kernel, which reads the rows in place, is the only fast decode.
             backend.decode_kernel = native
@@ -417,5 +428,6 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     model.share_step_rows()  # the quantized modules that replaced the projections too
     if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
         model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
-                                                                             reason=precision.reason))
+                                                                             reason=precision.reason),
+                                         deterministic=config.deterministic)
     return model.eval()

@@ -31,9 +31,8 @@ from decodeservice.engine.quant.linear import (
     Int8Embedding,
     Int8Linear,
     RowPlanned,
-    StepRows,
-    tiled_linear,
 )
+from decodeservice.engine.quant.step_rows import StepRows, tiled_linear
 from decodeservice.engine.quant.w8a8 import quantize_int8
 
 
@@ -65,7 +64,8 @@ class Linear(nn.Linear):
         return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.step_rows.run(x, prompt=self._tiled, other=self._plain, out_features=self.out_features)
+        return self.step_rows.run(x, prompt=self._tiled, other=self._plain, invariant=self._tiled,
+                                  out_features=self.out_features)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -74,7 +74,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows, computed as in any call of whole ROW_TILEs (linear.StepRows)."""
+        """Prompt rows, and every row in deterministic mode: computed as in any call of whole ROW_TILEs
+        (step_rows.StepRows)."""
         return tiled_linear(x, self._plain)
 
     def pack_for_cpu(self, *, keep_plain: bool) -> bool:

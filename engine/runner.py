@@ -78,15 +78,19 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, num_layers: int | None = None,
                  attention_backend: AttentionBackend | None = None, compile_step: bool = False,
-                 cuda_graphs: bool = False, kv_dtype: torch.dtype | None = None) -> None:
-        """`dtype`: the activations'; `kv_dtype`: the pool's, `dtype` when None, or int8 (kv_int8.py)."""
+                 cuda_graphs: bool = False, kv_dtype: torch.dtype | None = None, deterministic: bool = False) -> None:
+        """`dtype`: the activations'; `kv_dtype`: the pool's, `dtype` when None, or int8 (kv_int8.py).
+        `deterministic` (EngineConfig.deterministic): every row of every step takes its row-invariant path,
+        in the projections (step_rows.StepRows) and in attention (the CPU backend's kernel row per token)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.deterministic = deterministic
         self.num_layers = num_layers or cfg.num_layers
-        self.attention_backend = attention_backend or backend_for(device, num_blocks=num_blocks, block_size=block_size)
+        self.attention_backend = attention_backend or backend_for(device, num_blocks=num_blocks, block_size=block_size,
+                                                                  deterministic=deterministic)
         self.kv_dtype = kv_dtype or dtype
         if self.kv_dtype == torch.int8:
             if not isinstance(self.attention_backend, (PagedViewsBackend, GatherBackend)) or cuda_graphs:
@@ -130,11 +134,17 @@ class ModelRunner:
         step_rows = self.model.step_rows
         step_rows.prompt_only = all(item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in plan.scheduled)
         step_rows.prompt_rows, step_rows.other_rows = _prompt_rows(batch.attn.meta.spans, device=self.device)
+        # Per step, as the rows are: engines of both modes may share one model's weights (tests do).
+        step_rows.deterministic = self.deterministic
         try:
-            hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
+            try:
+                hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
+            finally:
+                step_rows.prompt_only, step_rows.prompt_rows, step_rows.other_rows = False, None, None
+            logits = self.model.compute_logits(hidden)  # deterministic mode: the head's rows take their one path
         finally:
-            step_rows.prompt_only, step_rows.prompt_rows, step_rows.other_rows = False, None, None
-        return _split(self.model.compute_logits(hidden), row_counts, plan)
+            step_rows.deterministic = False
+        return _split(logits, row_counts, plan)
 
     def _warm_up(self) -> None:
         """Run steps of 1, 2 and each row threshold of the model's kernel plan up to MAX_ROWS, so that

@@ -41,6 +41,7 @@ class EngineKnobs(CamelModel):
     w8a8: bool = Field(False, alias="w8a8")
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     compile: bool = False
+    deterministic: bool = False
 
 
 class SpeculativeKnobs(CamelModel):

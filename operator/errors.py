@@ -28,6 +28,14 @@ class InvalidRoutingError(InvalidSpecError):
     reason = "InvalidRouting"
 
 
+class DeterministicUnsupportedError(InvalidSpecError):
+    """spec.engine.deterministic where the engine cannot give it: vLLM (no recorded release takes a
+    batch-invariance switch on its command line), or the builtin engine on a GPU (its row-invariant
+    kernels are CPU ones)."""
+
+    reason = "DeterministicUnsupported"
+
+
 class ChildConflictError(OperatorError):
     """A child object with our name exists and is controlled by some other owner."""
 

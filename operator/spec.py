@@ -29,7 +29,7 @@ from decodeservice.engine.loader.architectures import (
 from decodeservice.operator.cel_rules import CEL_RULES as CEL_RULES  # re-exported: tests
 from decodeservice.operator.engine_knobs import EngineKnobs, KVCacheDtype, Quantization, SpeculativeKnobs
 from decodeservice.operator.engine_knobs import SpecMethod as SpecMethod  # re-exported: engines.py, tests
-from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.operator.errors import DeterministicUnsupportedError, InvalidSpecError
 from decodeservice.operator.podspec import (
     DNS_SUBDOMAIN,
     QUANTITY_PATTERN,
@@ -97,9 +97,9 @@ class ModelSpec(_Model):
     cache: ModelCacheSpec = Field(default_factory=lambda: ModelCacheSpec.model_validate({}))
 
 
-# The knob fields (max_num_seqs, kv_cache_gib, quantization, w8a8, kv_cache_dtype, compile; method, num_tokens) come from
-# operator/engine_knobs.py, generated from the engine's knob table (engine/config.py) with their defaults
-# and bounds; the fields below are the operator's own.
+# The knob fields (max_num_seqs, kv_cache_gib, quantization, w8a8, kv_cache_dtype, compile, deterministic;
+# method, num_tokens) come from operator/engine_knobs.py, generated from the engine's knob table
+# (engine/config.py) with their defaults and bounds; the fields below are the operator's own.
 class SpeculativeSpec(SpeculativeKnobs):
     draft_model: str | None = Field(None, pattern=MODEL_URI_PATTERN)
 
@@ -336,6 +336,13 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
         if engine.kv_cache_dtype is KVCacheDtype.INT8:
             raise InvalidSpecError("spec.engine.kvCacheDtype: int8 is a builtin-engine mode (CPU); vLLM takes its "
                                    "own --kv-cache-dtype (fp8) through extraArgs")
+        if engine.deterministic:
+            # vLLM's batch invariance is the VLLM_BATCH_INVARIANT environment variable, on GPUs only; the
+            # operator renders only what the recorded releases' command lines show (engines.py).
+            raise DeterministicUnsupportedError(
+                "spec.engine.deterministic: no vLLM release this operator supports takes a batch-invariance "
+                "switch on its command line (vLLM's is the VLLM_BATCH_INVARIANT environment variable, GPUs "
+                "only); leave it false and set that variable through engine.env if your vLLM image supports it")
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 1:
         # One process on one device: a second GPU would sit idle while the pod holds it.
         raise InvalidSpecError(f"spec.resources.gpus: the builtin engine runs on one GPU (it has no tensor "
@@ -352,6 +359,8 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.kv_cache_dtype is KVCacheDtype.INT8:
         raise InvalidSpecError("spec.engine.kvCacheDtype: int8 KV pools run on the CPU's attention paths; with "
                                "resources.gpus > 0 leave it auto")
+    if engine.kind is EngineKind.BUILTIN and engine.deterministic:
+        _check_deterministic(spec)
     if engine.kind is EngineKind.BUILTIN and spec.resources.gpus > 0 and engine.compile:
         raise InvalidSpecError("spec.engine.compile: compiles the CPU decode step; with resources.gpus > 0 "
                                "leave it false")
@@ -363,3 +372,18 @@ def _check_engine(spec: DecodeServiceSpec, *, model: ModelSource, draft: ModelSo
                                f"quantized weights), not {engine.quantization.value}")
     if engine.gpu_memory_fraction is not None and spec.resources.gpus == 0:
         raise InvalidSpecError("spec.engine.gpuMemoryFraction: needs resources.gpus > 0; use kvCacheGiB on CPU")
+
+
+def _check_deterministic(spec: DecodeServiceSpec) -> None:
+    """The builtin engine's deterministic mode, refused here where the engine would refuse it at start-up
+    (EngineConfig._check_deterministic), so that no pod crash-loops on it."""
+    engine = spec.engine
+    if spec.resources.gpus > 0:
+        raise DeterministicUnsupportedError("spec.engine.deterministic: the builtin engine's row-invariant kernels "
+                                            "are CPU ones; with resources.gpus > 0 leave it false")
+    if engine.w8a8:
+        raise InvalidSpecError("spec.engine.deterministic: excludes w8a8 (int8 activations from 6 rows a call "
+                               "make a stream's tokens depend on its batch)")
+    if engine.compile:
+        raise InvalidSpecError("spec.engine.deterministic: excludes compile (the compiled decode step keeps "
+                               "the default row paths)")

@@ -17,5 +17,5 @@ if [ $# -eq 0 ]; then
         tests/engine/quant tests/engine/test_quantized.py tests/engine/attention/test_native_decode.py \
         tests/engine/attention/test_context_plan.py tests/engine/test_compiled_step.py \
         tests/engine/attention/test_kv_int8.py tests/engine/test_kv_int8_engine.py \
-        tests/engine/test_prefix_consistency.py
+        tests/engine/test_prefix_consistency.py tests/engine/test_deterministic.py
 fi

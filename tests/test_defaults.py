@@ -155,7 +155,10 @@ def test_builtin_args_parse_back_to_the_spec_values() -> None:
     assert plain_kwargs["max_num_seqs"] == field_default(EngineConfig, "max_num_seqs") == 64
     assert "speculative" not in plain_kwargs
     assert {kf.knob.crd for kf in crd_knobs(EngineConfig)} == {
-        "kvCacheGiB", "gpuMemoryFraction", "maxNumSeqs", "quantization", "w8a8", "compile", "kvCacheDtype"}
+        "kvCacheGiB", "gpuMemoryFraction", "maxNumSeqs", "quantization", "w8a8", "compile", "kvCacheDtype",
+        "deterministic"}
+    exact = validate_spec({"model": {"uri": "bundled://smollm2-135m"}, "engine": {"deterministic": True}})
+    assert engine_kwargs(build_parser().parse_args(builtin_args(exact, plan_models(exact))))["deterministic"] is True
 
 
 def test_readme_states_the_config_defaults() -> None:

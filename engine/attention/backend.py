@@ -23,14 +23,18 @@ class AttentionBackend(Protocol):
         ...
 
 
-def backend_for(device: torch.device, *, num_blocks: int | None = None, block_size: int = 16) -> AttentionBackend:
+def backend_for(device: torch.device, *, num_blocks: int | None = None, block_size: int = 16,
+                deterministic: bool = False) -> AttentionBackend:
     """CPU: paged views. CUDA: flex attention over the pool (flex.py) where torch has it, the pool size
-    is known and pages are at least flex.MIN_CUDA_BLOCK_SIZE; else the portable gather backend."""
+    is known and pages are at least flex.MIN_CUDA_BLOCK_SIZE; else the portable gather backend.
+    `deterministic` (EngineConfig.deterministic, CPU only): see PagedViewsBackend."""
     from decodeservice.engine.attention.gather import GatherBackend
     from decodeservice.engine.attention.paged_views import PagedViewsBackend
 
     if device.type == "cpu":
-        return PagedViewsBackend()
+        return PagedViewsBackend(deterministic=deterministic)
+    if deterministic:
+        raise ValueError(f"deterministic attention is the CPU backend's, not {device.type}'s")
     if device.type == "cuda" and num_blocks is not None:
         try:
             from decodeservice.engine.attention.flex import MIN_CUDA_BLOCK_SIZE, FlexPagedBackend

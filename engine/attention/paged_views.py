@@ -19,6 +19,9 @@ depends only on the row's position. So a prompt row computes the same function w
 a cache miss or a hit of any number of blocks, and however it was chunked: the SDPA over a whole fresh
 prompt and the merge of a cached prefix with a fresh piece round differently (in bf16 they moved the
 next token's logprobs by up to ~1 nat on the bundled model; benchmarks/prefix_consistency.py).
+In deterministic mode (EngineConfig.deterministic) every span of every step takes that kernel, a row per
+token, whatever its length and whatever else the step holds: a row's attention then depends on its own
+query and prefix alone (the kernel splits a row's keys by its length and the thread count only).
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ class PagedViewsBackend:
     name = "paged_views"
 
     def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT,
-                 decode_kernel: ModuleType | None = None) -> None:
+                 decode_kernel: ModuleType | None = None, deterministic: bool = False) -> None:
         self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
         # native_decode.decode_extension() where it takes one-token decodes (fp32/bf16 caches, int8 pools)
         self.decode_kernel = decode_kernel
@@ -178,8 +181,17 @@ class PagedViewsBackend:
         # The same kernel for every prompt span (see the module's docstring), set by the engine wherever it
         # is built, whether or not decodes take it; None: prompts take the torch paths.
         self.prompt_kernel: ModuleType | None = None
+        # Every span through the kernel (the module's docstring); the engine refuses the mode where the
+        # kernel is not built.
+        self.deterministic = deterministic
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
+        if self.deterministic:
+            assert self._kernel() is not None and dtype in native_decode.DTYPES, "deterministic needs the native kernel"
+            fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
+            every = max(span.num_new for span in meta.spans)
+            return PagedViewsMetadata(**fields, decode_group=build_decode_group(
+                meta.spans, device=meta.slot_mapping.device, max_new=every, prompts=True))
         # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
         # below short_group.MAX_CONTEXT, as tests do).
         gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES

@@ -98,6 +98,9 @@ class KernelPlan:
     fallbacks: tuple[str, ...]  # "module: path turned off (error)" for each failed self-check
     native_dequant: bool  # the dense path dequantizes with native.py's C++ kernel (where it checked out)
     seconds: float
+    # Planned for deterministic mode: the int8-dot kernel (rows computed alone) on every module it fits,
+    # whatever the race said, since every row of that mode takes it (linear.RowPlanned.invariant_rows).
+    deterministic: bool = False
 
     def describe(self) -> dict[str, Any]:
         """What the engine logs at start-up and serves in /v1/models."""
@@ -112,6 +115,7 @@ class KernelPlan:
             "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot else "torch int4",
                            "dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
                            "w8a8_from": p.w8a8_from} for key, p in self.shapes.items()},
+            "deterministic": self.deterministic,
             "source": self.source,
             "self_check_fallbacks": list(self.fallbacks),
             "plan_seconds": round(self.seconds, 3),
@@ -156,9 +160,10 @@ def _measure_activations(*, k: int, n: int) -> ActivationChoice:
 
 
 def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCapability | None = None,
-                 cache_dir: Path | None = None) -> KernelPlan:
+                 cache_dir: Path | None = None, deterministic: bool = False) -> KernelPlan:
     """Measure (or read from the cache) each projection shape's thresholds, set them on every quantized
-    module of `model`, then self-check every module's fast paths on its real weights."""
+    module of `model`, then self-check every module's fast paths on its real weights. `deterministic`
+    (EngineConfig.deterministic) gives the int8-dot kernel to every module it fits, raced or not."""
     started = time.perf_counter()
     cpu = cpu or detect_cpu()
     modules = {name: m for name, m in model.named_modules() if isinstance(m, RowPlanned)}
@@ -179,6 +184,8 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
         shapes = {key: _measure(modules[names[0]], dtype=activations.dtype, head=names[0].endswith("lm_head"), dot=dot)
                   for key, names in groups.items()}
         _write_cache(cache, shapes)
+    if deterministic and dot is not None:
+        shapes = {key: replace(p, int8_dot=p.int8_dot or _dot_fits(modules[groups[key][0]])) for key, p in shapes.items()}
     fallbacks: list[str] = []
     if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
         fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
@@ -193,13 +200,18 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
             if isinstance(module, Int4Linear):
                 module.release_torch_packing()  # where the int8-dot kernel passed: its tiles replace it
     plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
-                      native_dequant=native is not None, seconds=time.perf_counter() - started)
+                      native_dequant=native is not None, seconds=time.perf_counter() - started,
+                      deterministic=deterministic)
     for line in fallbacks:
         log.warning("kernel self-check failed, falling back: %s", line)
     described = plan.describe()
     log.info("CPU %s; activations %s: %s", described["cpu"], described["activations"], described["activations_reason"])
     log.info("row thresholds (%s, %.1f s): %s", source, plan.seconds, json.dumps(described["rows"]))
     return plan
+
+
+def _dot_fits(module: RowPlanned) -> bool:
+    return isinstance(module, Int4Linear) and module.int8_dot_fits
 
 
 def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str]:

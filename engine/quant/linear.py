@@ -8,8 +8,6 @@ activations are fp32 (a CPU without native bf16, see kernel_plan.py) the rows ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -25,6 +23,7 @@ from decodeservice.engine.quant.native import (
     int4_dot_matmul,
     tile_codes,
 )
+from decodeservice.engine.quant.step_rows import StepRows, tiled_linear
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
 
 
@@ -54,56 +53,6 @@ DENSE_MIN_ROWS = 65
 DOT_MIN_WEIGHTS = 1 << 16
 # Quantized buffers are not persistent: no state_dict round trip needs them, and the model's loader
 # checks that every persistent tensor was loaded.
-
-
-# GEMM libraries pick their kernels by the number of rows, and a row's sums come out in another order
-# under another kernel (fp32 MKL: a row of a 1-3, 5-7 or 9-11-row call differed from the same row in a
-# longer one; oneDNN's packed fp32 at 1 row; AMD EPYC, AVX-512 and AVX2 dispatches alike). Prompt rows'
-# dense calls are padded to a multiple of this many rows, so each row is computed as in any other such call.
-ROW_TILE = 16
-
-
-def tiled_linear(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`linear` of (M, K) rows, called on them padded with zero rows to a multiple of ROW_TILE."""
-    pad = -x.shape[0] % ROW_TILE
-    if not pad:
-        return linear(x)
-    return linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]))[: x.shape[0]]
-
-
-@dataclass
-class StepRows:
-    """What the forward running now holds, shared by a model's projections (LlamaModel.step_rows, set by
-    the runner every step).
-
-    `prompt_only`: prompt rows only, no decode or verify row, so the dense path may take a chunk of fewer
-    than DENSE_MIN_ROWS rows (a prompt's last chunk, often short) where it measured faster: no decoded
-    token's numerics depend on it.
-
-    `prompt_rows` / `other_rows`: where the step holds prompt rows (attention.SequenceSpan.prompt), their
-    indices and the others'. A prompt row must compute the same function whatever the number of rows it
-    came with: a prefix-cache hit leaves a short tail of the prompt where the miss ran it in one long
-    chunk, so a path chosen by the call's row count (the weight-only kernel for a few rows, a dense GEMM
-    for many) gave the hit other numbers than the miss. Prompt rows take one path (RowPlanned.prompt_path),
-    and the step's other rows, split off, keep theirs."""
-
-    prompt_only: bool = False
-    prompt_rows: torch.Tensor | None = None  # (P,) row indices; None: the step holds no prompt row
-    other_rows: torch.Tensor | None = None  # (N - P,); None: every row is a prompt row (or none is)
-
-    def run(self, flat: torch.Tensor, *, prompt: Callable[[torch.Tensor], torch.Tensor],
-            other: Callable[[torch.Tensor], torch.Tensor], out_features: int) -> torch.Tensor:
-        """(N, K) -> (N, out_features): prompt rows through `prompt`, the others through `other`."""
-        if self.prompt_rows is None or flat.shape[0] != self.prompt_rows.shape[0] + (
-                0 if self.other_rows is None else self.other_rows.shape[0]):
-            return other(flat)  # no prompt row, or a call over other rows than the step's (the head)
-        if self.other_rows is None:
-            return prompt(flat)
-        out = flat.new_empty(flat.shape[0], out_features)
-        out[self.prompt_rows] = prompt(flat.index_select(0, self.prompt_rows))
-        out[self.other_rows] = other(flat.index_select(0, self.other_rows))
-        return out
-
 
 
 class RowPlanned(nn.Module):
@@ -138,8 +87,17 @@ class RowPlanned(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., K) -> (..., N); the kernels take 2-D contiguous rows
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = self.step_rows.run(flat, prompt=self.prompt_path, other=self.by_rows, out_features=self.out_features)
+        out = self.step_rows.run(flat, prompt=self.prompt_path, other=self.by_rows, invariant=self.invariant_rows,
+                                 out_features=self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def invariant_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode's one path for every row (StepRows.deterministic): a row's result is its own
+        whatever else the call holds. Here the dense GEMM on ROW_TILE-padded rows; Int4Linear takes the
+        int8-dot kernel where it has it (each row computed alone: int4_dot.cpp)."""
+        weight = self.dense_weight(flat.dtype)
+        return tiled_linear(flat, lambda rows: F.linear(rows, weight))
+
 
     def by_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """Decode and verify rows: the path this machine's plan gives their count."""
@@ -290,6 +248,11 @@ class Int4Linear(RowPlanned):
         if self.int8_dot is not None and self.dot_tiles is not None:
             return int4_dot_matmul(flat, self.dot_tiles, module=self.int8_dot)
         return self.torch_weight_only(flat)
+
+    def invariant_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.int8_dot is not None and self.dot_tiles is not None:
+            return int4_dot_matmul(flat, self.dot_tiles, module=self.int8_dot)
+        return super().invariant_rows(flat)
 
     def torch_weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -294,6 +294,7 @@ async def models(request: Request) -> Response:
         engine = state.aengine.engine
         card["kv_cache_dtype"] = str(engine.kv_dtype).removeprefix("torch.")
         card["kv_cache_dtype_reason"] = engine.kv_dtype_reason
+        card["deterministic"] = engine.config.deterministic  # every row on its one path (EngineConfig.deterministic)
         if (plan := engine.model.kernel_plan) is not None:
             card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
         if (attention := engine.attention_choice) is not None:  # CPU: where decode_matmul.py takes over, the native kernel

@@ -36,7 +36,7 @@ from decodeservice.engine.spec_decode.proposers import (
     NgramProposer,
     Proposer,
 )
-from decodeservice.engine.spec_decode.verify import greedy_accept, rejection_sample
+from decodeservice.engine.spec_decode.verify import greedy_accept, rejection_sample, sample_and_match
 
 # (draft_ids (k,), p (k+1, V), q (k, V) or None, generator) -> accepted drafts + one token
 SampledVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator | None], list[int]]
@@ -122,7 +122,10 @@ class SpeculativeDecoder:
 
     @classmethod
     def create(cls, config: SpeculativeConfig, *, target: LlamaModel, draft: LlamaModel | None,
-               num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> SpeculativeDecoder:
+               num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+               deterministic: bool = False) -> SpeculativeDecoder:
+        """`deterministic` (EngineConfig.deterministic): sampled requests verify by sample_and_match, and a
+        draft model drafts its argmax, so the request's generator draws what plain decoding draws."""
         max_positions = target.rotary.max_positions
         proposer: Proposer
         if config.method == "ngram":
@@ -134,7 +137,7 @@ class SpeculativeDecoder:
                 raise ConfigError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
                                   f"target's ({target.config.vocab_size})")
             proposer = DraftModelProposer(draft, num_layers=None, num_blocks=num_blocks, block_size=block_size,
-                                          device=device, dtype=dtype)
+                                          device=device, dtype=dtype, greedy_drafts=deterministic)
             max_positions = min(max_positions, draft.rotary.max_positions)
         else:
             total = target.config.num_layers
@@ -143,8 +146,9 @@ class SpeculativeDecoder:
                 raise ConfigError(f"self_draft uses the target's first draft_layers layers; draft_layers={layers} "
                                   f"must be below the target's {total}")
             proposer = DraftModelProposer(target, num_layers=layers, num_blocks=num_blocks, block_size=block_size,
-                                          device=device, dtype=dtype)
-        return cls(config, proposer, max_positions=max_positions)
+                                          device=device, dtype=dtype, greedy_drafts=deterministic)
+        return cls(config, proposer, max_positions=max_positions,
+                   sampled_verifier=sample_and_match if deterministic else rejection_sample)
 
     # -- drafting ----------------------------------------------------------------------------------
     def propose(self, running: list[Sequence], *, batch_size: int) -> None:

@@ -94,7 +94,10 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, model: LlamaModel, *, num_layers: int | None, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, greedy_drafts: bool = False) -> None:
+        """`greedy_drafts`: every request's drafts are the draft model's argmax, its generator left untouched
+        (deterministic mode, where the verifier draws as plain decoding does)."""
+        self.greedy_drafts = greedy_drafts
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, device=device,
                                   dtype=dtype, num_layers=num_layers)
         self.max_positions = model.rotary.max_positions
@@ -134,7 +137,7 @@ class DraftModelProposer:
                 assert rows is not None
                 seq = requests[i].seq
                 item.seq.num_computed_tokens += item.num_new_tokens
-                if seq.params.greedy:
+                if seq.params.greedy or self.greedy_drafts:
                     token = int(rows[0].argmax())
                 else:
                     q = target_probs(rows[0], seq.params)  # (V,) the draft samples as the request would

@@ -76,3 +76,23 @@ def rejection_sample(draft_ids: torch.Tensor, p: torch.Tensor, q: torch.Tensor |
                                       int(draft_ids[num_accepted]))
     token = int(torch.multinomial(final, 1, generator=generator))
     return [*draft_ids[:num_accepted].tolist(), token]
+
+
+def sample_and_match(draft_ids: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                     generator: torch.Generator | None) -> list[int]:
+    """Deterministic mode's rule for temperature > 0: at each position draw the target's token from p_i
+    with one torch.multinomial from the request's generator, as plain decoding draws each token, and go on
+    while it equals the draft (else it is the corrected token; after k matches, the bonus).
+
+    Lossless for any proposer: every token is a draw from p_i, the drafts only say how many positions one
+    step settles. And the same draws in the same order: a seeded request gets plain decoding's tokens,
+    speculation on or off. It keeps a draft with probability p(d), which for a sampling proposer is below
+    rejection_sample's min(1, p(d) / q(d)); `q` is not read.
+
+    draft_ids: (k,), p: (k+1, V)."""
+    tokens: list[int] = []
+    for i in range(draft_ids.shape[0] + 1):
+        tokens.append(int(torch.multinomial(p[i], 1, generator=generator)))
+        if i == draft_ids.shape[0] or tokens[-1] != int(draft_ids[i]):
+            break
+    return tokens

@@ -158,7 +158,7 @@ def test_node_selector_tolerations_and_extra_args() -> None:
     assert flag(engine["args"], "--device") == "cuda" and engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
-@pytest.mark.parametrize("field", ["w8a8", "compile"])
+@pytest.mark.parametrize("field", ["w8a8", "compile", "deterministic"])
 def test_engine_switches_reach_the_engine_only_when_asked(field: str) -> None:
     assert f"--{field}" not in container(render(minimal()), "engine")["args"]
     asked = {field: True, "quantization": "int4"}  # compile needs a quantized format
@@ -206,6 +206,11 @@ def test_build_is_pure_and_options_apply() -> None:
     (minimal(engine={"kind": "vllm", "kvCacheDtype": "int8"}, model={"uri": "hf://org/m"}, resources={"gpus": 1}),
      "spec.engine.kvCacheDtype: int8 is a builtin-engine mode"),
     (minimal(engine={"kvCacheDtype": "fp8"}), "kvCacheDtype"),
+    (minimal(engine={"deterministic": True}, resources={"gpus": 1}), "spec.engine.deterministic: the builtin"),
+    (minimal(engine={"deterministic": True, "w8a8": True}), "spec.engine.deterministic: excludes w8a8"),
+    (minimal(engine={"deterministic": True, "compile": True, "quantization": "int4"}),
+     "spec.engine.deterministic: excludes compile"),
+    (minimal(engine={"deterministic": "sometimes"}), "deterministic"),
     (minimal(engine={"gpuMemoryFraction": 0.5}), "needs resources.gpus > 0"),
     (minimal(model={"uri": "pvc://a/m"}, engine={"speculative": {"method": "draft", "draftModel": "pvc://b/d"}}),
      "must live on the model's claim"),

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from decodeservice.operator.errors import InvalidSpecError
+from decodeservice.operator.errors import DeterministicUnsupportedError, InvalidSpecError
 from decodeservice.operator.manifests import DEFAULT_VLLM_CPU_IMAGE, DEFAULT_VLLM_IMAGE, render
 from tests.operator.helpers import pod_templates
 from tests.support.vllm_standin import LATEST, VERSIONS, Contract
@@ -69,3 +69,20 @@ def test_every_rendered_flag_is_one_the_release_accepts(version: str) -> None:
         flags = {a for a in engine["args"] if a.startswith("--")}
         assert flags <= set(cli["flags"]), (version, sorted(flags - set(cli["flags"])))
         assert cli["server_module"] in " ".join(engine["command"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_no_recorded_release_takes_a_batch_invariance_flag(version: str) -> None:
+    # Why engine.deterministic is refused for vLLM below: its batch invariance is an environment variable
+    # (VLLM_BATCH_INVARIANT, GPUs), and no recorded release's command line has a switch for it. A release
+    # recorded with one fails this test: render that flag for it then.
+    flags = Contract.load(version).data["cli"]["flags"]
+    assert [f for f in flags if "invarian" in f or "determinis" in f] == []
+
+
+@pytest.mark.parametrize("resources", [{"gpus": 0, "memory": "16Gi"}, {"gpus": 1, "memory": "48Gi"}])
+def test_deterministic_with_vllm_is_refused_with_its_own_reason(resources: dict[str, Any]) -> None:
+    with pytest.raises(DeterministicUnsupportedError, match="VLLM_BATCH_INVARIANT") as caught:
+        render(_vllm(resources=resources, engine={"deterministic": True}))
+    assert caught.value.reason == "DeterministicUnsupported"  # the Ready=False reason the handlers report
+    assert "--deterministic" not in _engine(_vllm(resources=resources, engine={"deterministic": False}))["args"]
