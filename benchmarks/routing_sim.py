@@ -24,6 +24,10 @@ context, both from `long_context_2600_native_cpu2_vector_softmax.json`; how the 
 (the autoscaler simulation's profile).
 
     .venv/bin/python -P benchmarks/routing_sim.py --out benchmarks/results/routing_sim.json
+    .venv/bin/python -P benchmarks/routing_sim.py --fixed --out benchmarks/results/routing_sim_fixed.json
+
+`--fixed` runs the policies alone, without the autoscaler's feedback: fleets of each `--peaks` size at
+a constant 0.9 of their sustainable rate, both workloads, 300 s each.
 """
 
 from __future__ import annotations
