@@ -100,11 +100,15 @@ class Engine:
                                                   device=self.device, dtype=self.dtype,
                                                   deterministic=config.deterministic)
             if config.speculative.draft_row_cost is None:
-                cost = self.runner.verify_row_cost(drafts=config.speculative.num_tokens)
-                self.spec.row_cost = cost.row_cost
-                log.info("speculation: one more draft row costs %.3f of a decode step here (%d drafts %.2f ms "
-                         "vs %.2f ms without, measured at start-up)", cost.row_cost, cost.drafts, cost.verify_ms,
-                         cost.plain_ms)
+                from decodeservice.engine.spec_decode.cost import measure_step_costs
+
+                spec = config.speculative
+                cost = measure_step_costs(self.runner, num_tokens=spec.num_tokens, num_blocks=num_blocks,
+                                          max_batch=min(spec.disable_batch_size - 1, config.max_num_seqs))
+                self.spec.use_measured(cost.curve, row_cost=cost.row_cost)
+                log.info("speculation: one more draft row costs %.3f of a decode step here (%d drafts; step "
+                         "times by batch size and draft rows, measured at start-up in %.1f s: %s)", cost.row_cost,
+                         spec.num_tokens, cost.seconds, cost.curve.describe())
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

@@ -301,9 +301,13 @@ async def models(request: Request) -> Response:
             card["attention"] = {"matmul_from_keys": attention.min_context, "native_decode": attention.native_decode,
                                  "source": attention.source}
         if engine.spec is not None:  # measured at start-up unless configured: what sets the drafts' k
-            card["speculative"] = {"method": engine.spec.config.method, "draft_row_cost": round(engine.spec.row_cost, 4),
-                                   "draft_row_cost_source": "configured" if engine.spec.config.draft_row_cost is not None
-                                   else "measured"}
+            spec = engine.spec
+            card["speculative"] = {"method": spec.config.method, "draft_row_cost": round(spec.row_cost, 4),
+                                   "draft_row_cost_source": "configured" if spec.config.draft_row_cost is not None
+                                   else "measured", "disable_batch_size": spec.config.disable_batch_size,
+                                   # from what acceptance a draft pays, per batch size (spec_decode/policy.py)
+                                   "break_even_acceptance": {str(b): round(a, 3) for b in spec.batch_sizes()
+                                                             if (a := spec.break_even_acceptance(b)) is not None}}
     return JSONResponse({"object": "list", "data": [card]})
 
 

@@ -8,8 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from decodeservice.engine import (
     ConfigError,
@@ -22,7 +20,7 @@ from decodeservice.engine import (
 from decodeservice.engine.loader.gguf_loader import read_gguf_tokenizer
 from decodeservice.engine.loader.registry import resolve_model_path
 from decodeservice.engine.model import LlamaModel
-from decodeservice.engine.spec_decode.decoder import DraftingState, draft_length
+from decodeservice.engine.spec_decode.decoder import DraftingState
 from decodeservice.engine.spec_decode.proposers import DraftModelProposer, ngram_lookup
 from decodeservice.engine.tokenizer import Tokenizer
 
@@ -218,25 +216,6 @@ def test_a_new_request_starts_from_the_workloads_acceptance(target: LlamaModel, 
             seen_k += [s.spec_num_tokens for s in engine.scheduler.running if s.spec_num_tokens]
         # Failing drafts: the newcomer pauses first, then probes with one draft instead of opening with 4.
         assert seen_k[0] == first_k
-
-
-def test_draft_length_weighs_acceptance_against_batch_cost() -> None:
-    # Draft j pays while acceptance**j > row_cost * batch_size.
-    assert draft_length(0.5, batch_size=1, row_cost=0.04, max_tokens=8) == 4  # 0.5**4 > 0.04 > 0.5**5
-    assert draft_length(0.5, batch_size=4, row_cost=0.04, max_tokens=8) == 2  # 0.5**2 > 0.16 > 0.5**3
-    assert draft_length(0.5, batch_size=16, row_cost=0.04, max_tokens=8) == 0  # 0.64 > 0.5: none pays
-    assert draft_length(0.95, batch_size=1, row_cost=0.04, max_tokens=8) == 8  # capped at the maximum
-    assert draft_length(1.0, batch_size=64, row_cost=0.04, max_tokens=8) == 8
-    assert draft_length(0.1, batch_size=64, row_cost=0.0, max_tokens=5) == 5  # free rows: always draft
-
-
-@given(a=st.floats(0.0, 1.0), b=st.floats(0.0, 1.0), batch=st.integers(1, 64), cost=st.floats(0.0, 0.5))
-def test_draft_length_is_monotone(a: float, b: float, batch: int, cost: float) -> None:
-    low, high = sorted((a, b))
-    assert draft_length(low, batch_size=batch, row_cost=cost, max_tokens=8) <= draft_length(
-        high, batch_size=batch, row_cost=cost, max_tokens=8)
-    assert draft_length(a, batch_size=batch + 1, row_cost=cost, max_tokens=8) <= draft_length(
-        a, batch_size=batch, row_cost=cost, max_tokens=8)
 
 
 def test_ngram_lookup() -> None:

@@ -1,0 +1,133 @@
+"""How many drafts each decoding stream verifies in a step: pure functions over measured step times.
+
+A step of B decoding streams that verifies n draft rows in all takes T(B, n) ms (`StepCostCurve`,
+measured at start-up by cost.py) and yields B tokens plus the accepted drafts. Draft j of a stream
+whose drafts land with probability a each (given the ones before it landed) is accepted with
+probability a**j. The plan takes the candidate rows in order of a**j and keeps the prefix that
+maximises expected tokens per millisecond,
+
+    (B + sum of the kept a**j) / (T(B, n) + overhead_ms x streams drafting),
+
+and drafts nothing unless that beats plain decoding, B / T(B, 0), by `min_gain`. So one rule backs
+off per request (a low a puts its rows last) and per batch (T's slope in n is the batch's own: at
+16 streams the step is compute-bound and an extra row costs nearly its full share, where at one
+stream it costs a small fraction of the step). `overhead_ms` is what drafting costs outside the
+forward per stream (the proposer, the verification), which the decoder measures as it runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Speculation must beat plain decoding by this much in expectation before a step drafts at all: the
+# acceptance and step-time estimates are noisy, and a predicted 2% gain is as likely a loss.
+MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCostCurve:
+    """Decode step time in ms by batch size and draft rows: at `batch_sizes[i]` streams, verifying
+    `extra_rows[i][j]` drafts in all took `step_ms[i][j]`. Linear between the measured points and,
+    along each axis, beyond them (from the last two)."""
+
+    batch_sizes: tuple[int, ...]  # ascending, at least two
+    extra_rows: tuple[tuple[int, ...], ...]  # per batch size: ascending from 0, at least two
+    step_ms: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.batch_sizes) < 2 or list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes must be >= 2 distinct ascending sizes from 1 up, not {self.batch_sizes}")
+        if not len(self.extra_rows) == len(self.step_ms) == len(self.batch_sizes):
+            raise ValueError("need one row of extra_rows and step_ms per batch size")
+        for rows, times in zip(self.extra_rows, self.step_ms, strict=True):
+            if len(rows) < 2 or rows[0] != 0 or list(rows) != sorted(set(rows)) or len(times) != len(rows):
+                raise ValueError(f"each extra_rows row must ascend from 0 with a time per entry, not {rows}")
+            if not all(t > 0 for t in times):
+                raise ValueError("step times must be positive")
+
+    @classmethod
+    def linear(cls, row_cost: float) -> StepCostCurve:
+        """Every row, a stream's or a draft's, costs `row_cost` of a one-row step (a configured
+        `draft_row_cost`): T(B, n) = 1 + row_cost x (B - 1 + n)."""
+        c = row_cost
+        return cls(batch_sizes=(1, 2), extra_rows=((0, 1), (0, 1)), step_ms=((1.0, 1.0 + c), (1.0 + c, 1.0 + 2 * c)))
+
+    def row_ms(self, batch_size: int, max_extra: int) -> np.ndarray:
+        """T(batch_size, n) for n = 0 .. max_extra, floored at T(batch_size, 0). (max_extra + 1,)"""
+        n = np.arange(max_extra + 1, dtype=np.float64)
+        i = min(max(bisect.bisect_right(self.batch_sizes, batch_size) - 1, 0), len(self.batch_sizes) - 2)
+        lo, hi = self.batch_sizes[i], self.batch_sizes[i + 1]
+        at_lo, at_hi = self._along_rows(i, n), self._along_rows(i + 1, n)
+        times = at_lo + (at_hi - at_lo) * (batch_size - lo) / (hi - lo)
+        floor = max(float(times[0]), 1e-9)
+        floored: np.ndarray = np.maximum(times, floor)
+        return floored
+
+    def _along_rows(self, i: int, n: np.ndarray) -> np.ndarray:
+        rows = np.asarray(self.extra_rows[i], dtype=np.float64)
+        times = np.asarray(self.step_ms[i], dtype=np.float64)
+        out: np.ndarray = np.interp(n, rows, times)
+        beyond = n > rows[-1]
+        if beyond.any():
+            slope = (times[-1] - times[-2]) / (rows[-1] - rows[-2])
+            out[beyond] = times[-1] + slope * (n[beyond] - rows[-1])
+        return out
+
+    def describe(self) -> str:
+        """Each batch size's cost of its measured draft rows, relative to its plain step."""
+        parts = []
+        for b, rows, times in zip(self.batch_sizes, self.extra_rows, self.step_ms, strict=True):
+            rel = " ".join(f"+{n}:{t / times[0]:.2f}" for n, t in zip(rows[1:], times[1:], strict=True))
+            parts.append(f"B={b} {times[0]:.1f} ms ({rel})")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftPlan:
+    """Drafts per stream for one step, and the rate the plan expects against plain decoding."""
+
+    draft_lengths: tuple[int, ...]
+    expected_speedup: float  # expected tokens per ms with these drafts over without (1.0: none)
+
+
+def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curve: StepCostCurve,
+                overhead_ms: float = 0.0, min_gain: float = MIN_GAIN) -> DraftPlan:
+    """The draft length per stream that maximises expected tokens per ms in a step of these streams.
+
+    acceptances[i]: stream i's chance that each draft lands given the ones before it did; max_drafts[i]:
+    the most it may draft (0: it cannot draft this step, but still decodes)."""
+    batch = len(acceptances)
+    if batch == 0:
+        return DraftPlan(draft_lengths=(), expected_speedup=1.0)
+    owner = np.repeat(np.arange(batch), [max(m, 0) for m in max_drafts])
+    if owner.size == 0:
+        return DraftPlan(draft_lengths=(0,) * batch, expected_speedup=1.0)
+    # position j (1-based) of each stream's candidates, stream-major: the stable sort below keeps a
+    # stream's rows in order among equal gains (acceptance 1).
+    starts = np.concatenate(([0], np.cumsum([max(m, 0) for m in max_drafts])[:-1]))
+    position = np.arange(owner.size) - starts[owner] + 1
+    gain = np.asarray(acceptances, dtype=np.float64).clip(0.0, 1.0)[owner] ** position
+    order = np.argsort(-gain, kind="stable")
+    tokens = batch + np.cumsum(gain[order])  # (n,) expected tokens with the first n candidates
+    streams = np.cumsum(position[order] == 1)  # streams drafting among them
+    times = curve.row_ms(batch, owner.size)
+    plain_rate = batch / times[0]
+    rates = tokens / (times[1:] + overhead_ms * streams)
+    best = int(np.argmax(rates))
+    speedup = float(rates[best] / plain_rate)
+    if speedup < 1.0 + min_gain:
+        return DraftPlan(draft_lengths=(0,) * batch, expected_speedup=1.0)
+    lengths = np.bincount(owner[order[: best + 1]], minlength=batch)
+    return DraftPlan(draft_lengths=tuple(int(k) for k in lengths), expected_speedup=speedup)
+
+
+def least_paying_acceptance(batch_size: int, *, curve: StepCostCurve, overhead_ms: float = 0.0,
+                            min_gain: float = MIN_GAIN) -> float:
+    """The acceptance from which one draft of one stream pays in a step of `batch_size` streams (may
+    exceed 1: then nothing drafts at this batch size, and probing a paused request cannot pay either)."""
+    plain, one = curve.row_ms(batch_size, 1)
+    return float((1.0 + min_gain) * batch_size * (one + overhead_ms) / plain - batch_size)
