@@ -58,6 +58,20 @@ CEL_RULES: tuple[CelRule, ...] = (
             message="multi-node serving (resources.nodes > 1) needs engine.kind: vllm (the builtin engine runs "
                     "on one device)",
             check=lambda o: int(o["resources"]["nodes"]) == 1 or o["engine"]["kind"] == "vllm"),
+    CelRule(path=(), rule="self.autoscaling.minReplicas != 0 || !has(self.routing.mode) || self.routing.mode == 'router'",
+            message="autoscaling.minReplicas: 0 needs routing.mode router (only the router holds requests while "
+                    "no replica is ready)",
+            check=lambda o: (int(o["autoscaling"]["minReplicas"]) != 0 or "mode" not in o["routing"]
+                             or o["routing"]["mode"] == "router")),
+    CelRule(path=("routing",),
+            rule="!has(self.mode) || self.mode == 'inferencePool' || !self.inferencePool.enabled",
+            message="inferencePool.enabled (the older spelling of mode inferencePool) conflicts with any other mode",
+            check=lambda o: ("mode" not in o or o["mode"] == "inferencePool"
+                             or not o.get("inferencePool", {}).get("enabled", False))),
+    CelRule(path=("routing",),
+            rule="!has(self.mode) || self.mode != 'inferencePool' || has(self.inferencePool.endpointPickerRef)",
+            message="mode inferencePool needs inferencePool.endpointPickerRef (the pool's endpoint picker)",
+            check=lambda o: o.get("mode") != "inferencePool" or "endpointPickerRef" in o.get("inferencePool", {})),
     CelRule(path=("routing", "inferencePool"), rule="!self.enabled || has(self.endpointPickerRef)",
             message="endpointPickerRef is required when the inference pool is enabled",
             check=lambda o: not o.get("enabled", False) or "endpointPickerRef" in o),

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from decodeservice.operator.errors import InvalidRoutingError
+from decodeservice.operator.errors import InvalidRoutingError, InvalidSpecError
 from decodeservice.operator.kernel_cache import KERNEL_CACHE_ENV, SHARED_KERNEL_CACHE_DIR
 from decodeservice.operator.manifests import (
     BuildOptions,
@@ -22,6 +22,7 @@ from decodeservice.operator.manifests import (
 from decodeservice.operator.router import router_selector
 from decodeservice.operator.spec import validate_spec
 from tests.operator.helpers import CHART, EXAMPLES, load, operator_roles
+from tests.operator.schema import validate
 from tests.operator.security import rbac_violations, restricted_violations
 
 K8S_VERSION = "1.37"
@@ -71,17 +72,13 @@ def test_each_spec_gets_one_routing_mode(case: str, autoscaling: dict[str, Any] 
     assert selector == (router_selector("svc") if mode == "router" else selector_labels("svc"))
 
 
+# Refused by routing_mode (Ready=False InvalidRouting): what the CRD's rules cannot see (an unset mode).
 REFUSED = [
     ("zero-without-autoscaler", {"mode": "off", "minReplicas": 0}, None, "needs autoscaling.mode builtin"),
     ("router-zero-without-autoscaler", {"mode": "off", "minReplicas": 0}, {"mode": "router"},
      "needs autoscaling.mode builtin"),
-    ("zero-behind-a-service", {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2}, {"mode": "service"},
-     "needs routing.mode router"),
-    ("zero-behind-a-pool", {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
-     {"mode": "inferencePool", "inferencePool": {"endpointPickerRef": PICKER}}, "needs routing.mode router"),
-    ("enabled-pool-and-router", None, {"mode": "router", "inferencePool": {"enabled": True, "endpointPickerRef": PICKER}},
-     "conflicts with routing.mode router"),
-    ("pool-mode-without-picker", None, {"mode": "inferencePool"}, "endpointPickerRef: required"),
+    ("zero-behind-an-old-spelling-pool", {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
+     {"inferencePool": {"enabled": True, "endpointPickerRef": PICKER}}, "needs routing.mode router, not inferencePool"),
 ]
 
 
@@ -91,6 +88,39 @@ def test_combinations_that_cannot_serve_are_refused(case: str, autoscaling: dict
     with pytest.raises(InvalidRoutingError, match=message) as caught:
         validate_spec(manifest(autoscaling=autoscaling, routing=routing)["spec"])
     assert caught.value.reason == "InvalidRouting"  # the Ready=False reason the handlers report
+
+
+# Refused at admission by the CRD's CEL rules for the routing fields, and by their Python twins in the
+# operator (an API server that does not run CEL, `decodectl render`).
+REFUSED_BY_CRD = [
+    ("zero-behind-a-service", {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2}, {"mode": "service"},
+     "autoscaling.minReplicas: 0 needs routing.mode router"),
+    ("zero-behind-a-pool", {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
+     {"mode": "inferencePool", "inferencePool": {"endpointPickerRef": PICKER}},
+     "autoscaling.minReplicas: 0 needs routing.mode router"),
+    ("enabled-pool-and-router", None, {"mode": "router", "inferencePool": {"enabled": True, "endpointPickerRef": PICKER}},
+     "inferencePool.enabled (the older spelling of mode inferencePool) conflicts with any other mode"),
+    ("pool-mode-without-picker", None, {"mode": "inferencePool"}, "mode inferencePool needs inferencePool.endpointPickerRef"),
+    ("hold-zero", None, {"router": {"holdSeconds": 0}}, "holdSeconds"),
+    ("unknown-mode", None, {"mode": "gateway"}, "is not one of"),
+]
+
+
+@pytest.mark.parametrize(("case", "autoscaling", "routing", "message"), REFUSED_BY_CRD,
+                         ids=[r[0] for r in REFUSED_BY_CRD])
+def test_the_crd_refuses_routing_that_cannot_serve(case: str, autoscaling: dict[str, Any] | None,
+                                                   routing: dict[str, Any] | None, message: str) -> None:
+    body = manifest(autoscaling=autoscaling, routing=routing)
+    errors = validate(body)
+    assert any(message in e or (case == "hold-zero" and "less than or equal to the minimum" in e) for e in errors), errors
+    with pytest.raises(InvalidSpecError):
+        validate_spec(body["spec"])
+
+
+@pytest.mark.parametrize(("case", "autoscaling", "routing", "mode"), MODES, ids=[m[0] for m in MODES])
+def test_the_crd_admits_every_mode_that_serves(case: str, autoscaling: dict[str, Any] | None,
+                                              routing: dict[str, Any] | None, mode: str) -> None:
+    assert validate(manifest(autoscaling=autoscaling, routing=routing)) == []
 
 
 def routed() -> Children:
