@@ -1,11 +1,14 @@
-"""`decodectl demo`: the engine (bundled model) behind the proxy, a short `mixed` workload with speculative
-decoding off and then on, and a side-by-side table.
+"""`decodectl demo`: the engine (bundled model) behind the proxy, a `mixed` workload with speculative
+decoding off and on in interleaved rounds, and a side-by-side table with the verdict and its spread.
 
-Steps: pull the model (rich progress), start the engine and the proxy on free ports, run the workload
-through the proxy, restart the engine with `--speculative-method ngram` on the same port (the proxy's
-/ready follows it), run the same requests again, then compare. Speculative acceptance comes from the
-engine's `vllm:spec_decode_*` counters, read before and after each run. Both runs send the same prompts
-to a freshly started engine, so neither sees the other's prefix cache.
+Steps: pull the model (rich progress); start an engine without speculation and one with it (n-gram, the
+engine's defaults: adaptive, step costs measured at start-up), one after the other so neither's start-up
+measurement sees the other load, each behind its own proxy on free ports; then in each round send the
+same fresh `mixed` requests through one proxy and then the other, the order alternating round by round,
+so the machine's other work falls on both alike. The verdict is the median round's ratio of output
+tokens/s, with the rounds' min-max. Speculative acceptance comes from the engine's `vllm:spec_decode_*`
+counters, read before and after the rounds; why speculation drafted as much as it did, from those and
+the engine's /v1/models card (from what acceptance a draft pays at each batch size, measured at start-up).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,13 +28,14 @@ from rich.console import Console
 from rich.table import Table
 
 from decodeservice.bench import report
-from decodeservice.bench.dataset import MaxTokens
+from decodeservice.bench.dataset import MaxTokens, load_dataset, plan_requests
 from decodeservice.bench.errors import BenchConfigError, DemoError
-from decodeservice.bench.load import LoadLevel
-from decodeservice.bench.metrics import LevelSummary, Slo
+from decodeservice.bench.load import LoadLevel, run_level
+from decodeservice.bench.metrics import LevelSummary, RequestRecord, Slo, summarize
 from decodeservice.bench.procs import ChildServer, decodectl, free_port
 from decodeservice.bench.report import BenchReport
-from decodeservice.bench.runner import BenchConfig, run_benchmark
+from decodeservice.bench.runner import resolve_model
+from decodeservice.bench.spec_verdict import Comparison, SpecActivity, pooled
 from decodeservice.monitoring.demo_view import DemoView
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -42,9 +47,12 @@ DEFAULT_SLO = Slo(ttft_ms=5000, itl_ms=500)
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     out: Path
-    num_requests: int = 8
+    # 6 rounds of 8: the verdict of one run of 8 requests flipped from run to run (x0.74 to x1.08); the
+    # median of interleaved rounds, with its spread, holds.
+    num_requests: int = 8  # per round, for each of off and on
+    rounds: int = 6
     max_tokens: int = 48  # cap on each `mixed` entry's output_len, so the demo stays short on a laptop
-    concurrency: int = 4  # below the engine's speculation cut-off (8 running sequences)
+    concurrency: int = 4
     model: str = "smollm2-135m"
     num_speculative_tokens: int = 8
     slo: Slo = DEFAULT_SLO
@@ -52,12 +60,12 @@ class DemoConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_requests < 1 or self.max_tokens < 1 or self.concurrency < 1:
-            raise BenchConfigError("--num-requests, --max-tokens and concurrency must be >= 1")
+        if self.num_requests < 1 or self.max_tokens < 1 or self.concurrency < 1 or self.rounds < 1:
+            raise BenchConfigError("--num-requests, --rounds, --max-tokens and concurrency must be >= 1")
 
     @classmethod
     def quick(cls, out: Path) -> DemoConfig:
-        return cls(out=out, num_requests=4, max_tokens=24, concurrency=2)
+        return cls(out=out, num_requests=4, rounds=2, max_tokens=24, concurrency=2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,10 +131,6 @@ class Demo:
         self.console.print(f"{child.name} ready after {time.monotonic() - begun:.1f}s")
         return child
 
-    def _stop(self, child: ChildServer) -> None:
-        child.stop()
-        self.children.remove(child)
-
     def close(self) -> None:
         self.view.close()
         for child in reversed(self.children):
@@ -147,44 +151,80 @@ class Demo:
         cfg.out.mkdir(parents=True, exist_ok=True)
         policy.write_text("{}\n")  # the proxy's defaults; see proxy/policy.py
         self.pull_model()
-        engine_port, proxy_port = free_port(), free_port()
-        engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-        base = decodectl("engine", "--model", cfg.model, "--host", "127.0.0.1", "--port", str(engine_port),
-                         "--max-num-seqs", str(max(8, cfg.concurrency)))
         spec_flags = ["--speculative-method", "ngram", "--num-speculative-tokens", str(cfg.num_speculative_tokens)]
-        bench = BenchConfig(url=proxy_url, dataset="mixed", levels=(LoadLevel(kind="concurrency", value=cfg.concurrency),),
-                            num_requests=cfg.num_requests, max_tokens=MaxTokens(kind="dataset", cap=cfg.max_tokens),
-                            slo=cfg.slo, seed=cfg.seed)
-        summaries: list[LevelSummary] = []
-        acceptance: list[str] = []
-        proxy: ChildServer | None = None
-        for mode, extra in (("speculation off", []), ("speculation on", spec_flags)):
-            engine = self._start(ChildServer(name=f"engine ({mode})", argv=[*base, *extra], url=engine_url,
-                                             log_path=logs / f"engine-{mode.split()[-1]}.log"),
-                                 f"loading {cfg.model} into the engine ({mode})")
-            if proxy is None:
-                proxy = self._start(ChildServer(name="proxy", url=proxy_url, log_path=logs / "proxy.log", argv=decodectl(
-                    "proxy", "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(proxy_port),
-                    "--policy", str(policy))), "starting the proxy")
-                self.view.watch(proxy_url=proxy_url, out=cfg.out, console=self.console)
-            else:  # the proxy's /ready follows the restarted upstream
-                asyncio.run(proxy.wait_ready(timeout_s=cfg.ready_timeout_s))
-            before = asyncio.run(scrape_spec(engine_url))
-            self.console.print(f"[bold]{mode}[/]: {cfg.num_requests} `mixed` requests at concurrency "
-                               f"{cfg.concurrency}, max {cfg.max_tokens} tokens, through the proxy")
-            result = asyncio.run(run_benchmark(replace(bench, label_prefix=f"{mode} "), console=self.console))
-            acceptance.append((asyncio.run(scrape_spec(engine_url)) - before).describe())
-            summaries.extend(result.levels)
-            settings = result.settings
-            self._stop(engine)
-        settings = {**settings, "engine": f"{cfg.model} on {engine_url} (restarted per run)",
-                    "proxy": proxy_url, "speculation": f"ngram, k={cfg.num_speculative_tokens}",
+        engines: dict[str, str] = {}
+        proxies: dict[str, str] = {}
+        for mode, extra in (("off", []), ("on", spec_flags)):
+            engine_url, proxy_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+            argv = decodectl("engine", "--model", cfg.model, "--host", "127.0.0.1", "--port", engine_url.rsplit(":", 1)[1],
+                             "--max-num-seqs", str(max(8, cfg.concurrency)), *extra)
+            self._start(ChildServer(name=f"engine (speculation {mode})", argv=argv, url=engine_url,
+                                    log_path=logs / f"engine-{mode}.log"), f"loading {cfg.model} into the engine (speculation {mode})")
+            self._start(ChildServer(name=f"proxy (speculation {mode})", url=proxy_url, log_path=logs / f"proxy-{mode}.log",
+                                    argv=decodectl("proxy", "--upstream", engine_url, "--host", "127.0.0.1", "--port",
+                                                   proxy_url.rsplit(":", 1)[1], "--policy", str(policy))), f"starting the proxy ({mode})")
+            engines[mode], proxies[mode] = engine_url, proxy_url
+        # The dashboard follows the pair with speculation on (its acceptance panel, and the same load as off).
+        self.view.watch(proxy_url=proxies["on"], out=cfg.out, console=self.console)
+        model = asyncio.run(resolve_model(proxies["on"], None))
+        plan = plan_requests(load_dataset("mixed"), num_levels=cfg.rounds + 1, num_requests=cfg.num_requests,
+                             seed=cfg.seed, max_tokens=MaxTokens(kind="dataset", cap=cfg.max_tokens))
+        level = LoadLevel(kind="concurrency", value=cfg.concurrency)
+        warm_up, rounds = plan.levels[0][: cfg.concurrency], plan.levels[1:]
+        for mode in ("off", "on"):  # the first requests of a process pay for allocator growth and caches
+            asyncio.run(run_level(url=proxies[mode], model=model, requests=warm_up, level=level))
+        before = asyncio.run(scrape_spec(engines["on"]))
+        card = asyncio.run(speculative_card(engines["on"]))
+        records: dict[str, list[RequestRecord]] = {"off": [], "on": []}
+        per_round: dict[str, list[LevelSummary]] = {"off": [], "on": []}
+        ratios: list[float] = []
+        self.console.print(f"[bold]{cfg.rounds} rounds[/] of {cfg.num_requests} `mixed` requests at concurrency "
+                           f"{cfg.concurrency} (max {cfg.max_tokens} tokens) through each proxy, off and on in turn")
+        for index, requests in enumerate(rounds):
+            order = ("off", "on") if index % 2 == 0 else ("on", "off")
+            for mode in order:
+                got = asyncio.run(run_level(url=proxies[mode], model=model, requests=requests, level=level,
+                                            seed=cfg.seed * 1_000_003 + index))
+                records[mode].extend(got)
+                per_round[mode].append(summarize(got, label=f"round {index + 1} {mode}", slo=cfg.slo))
+            off, on = per_round["off"][-1].output_throughput, per_round["on"][-1].output_throughput
+            ratios.append(on / off if off > 0 else 0.0)
+            self.console.print(f"round {index + 1}/{cfg.rounds}: off {off:.1f}, on {on:.1f} output tok/s (x{ratios[-1]:.2f})")
+        counters = asyncio.run(scrape_spec(engines["on"])) - before
+        summaries = [pooled(f"speculation {mode} c={cfg.concurrency}", per_round[mode], records[mode], slo=cfg.slo)
+                     for mode in ("off", "on")]
+        comparison = Comparison(ratios=tuple(ratios))
+        activity = SpecActivity(drafts=counters.drafts, draft_tokens=counters.draft_tokens,
+                                accepted_tokens=counters.accepted_tokens, output_tokens=summaries[1].total_output_tokens,
+                                concurrency=cfg.concurrency, disable_batch_size=card.get("disable_batch_size"),
+                                break_even={int(b): float(a) for b, a in card.get("break_even_acceptance", {}).items()})
+        settings = {"engines": f"{cfg.model}: off {engines['off']}, on {engines['on']} (both running throughout)",
+                    "proxies": f"off {proxies['off']}, on {proxies['on']}", "model": model, "dataset": "mixed",
+                    "rounds": f"{cfg.rounds} x {cfg.num_requests} requests, concurrency {cfg.concurrency}, order alternating",
+                    "max_tokens": f"dataset:{cfg.max_tokens}", "slo": cfg.slo.describe(),
+                    "request options": "stream, include_usage, ignore_eos, temperature=0",
+                    "speculation": f"ngram, k<={cfg.num_speculative_tokens}, adaptive",
                     "pids": " ".join(map(str, self.pids))}
         final = BenchReport(title="decodectl demo: speculative decoding off vs on", settings=settings,
-                            levels=tuple(summaries), extra_columns={"spec acceptance": tuple(acceptance)},
-                            notes=("Both runs send the same prompts to a freshly started engine (no shared "
-                                   "prefix cache).",))
+                            levels=tuple(summaries),
+                            extra_columns={"spec acceptance": ("off", counters.describe()),
+                                           "on/off per round": ("", f"x{comparison.median:.2f} ({comparison.spread})")},
+                            notes=(comparison.verdict, activity.reason(),
+                                   "Per-round on/off output tok/s: " + ", ".join(f"{r:.2f}" for r in ratios),
+                                   "Each round sends the same fresh prompts to both engines (no prompt repeats "
+                                   "across rounds, so neither sees the other's prefix cache)."))
         return final, [*report.write(final, cfg.out), *self.view.draw()]
+
+
+async def speculative_card(url: str) -> dict[str, Any]:
+    """The `speculative` part of an engine's /v1/models card ({} when it has none)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as client:
+        response = await client.get(f"{url}/v1/models")
+    if response.status_code != 200:
+        raise DemoError(f"GET {url}/v1/models answered HTTP {response.status_code}")
+    data = response.json().get("data") or [{}]
+    card = data[0].get("speculative")
+    return card if isinstance(card, dict) else {}
 
 
 def side_by_side(result: BenchReport) -> Table:
@@ -207,6 +247,7 @@ def side_by_side(result: BenchReport) -> Table:
         ("completed", [f"{lv.completed}/{lv.num_requests}" for lv in result.levels]),
         ("goodput", [f"{lv.goodput_fraction or 0:.0%}" for lv in result.levels]),
         ("spec acceptance", list(result.extra_columns.get("spec acceptance", ()))),
+        ("on/off, median (rounds)", list(result.extra_columns.get("on/off per round", ()))),
     ]
     for name, cells in rows:
         table.add_row(name, *cells)

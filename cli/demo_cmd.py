@@ -1,8 +1,12 @@
 """`decodectl demo`: engine + proxy on the bundled model, a `mixed` workload with speculation off and on.
 
-It pulls the model if needed, starts both servers on free local ports, runs the workload twice through
-the proxy, prints a side-by-side table and writes report.json, report.md and report.png (and the
-servers' logs under logs/). Ctrl-C stops everything it started.
+It pulls the model if needed, starts an engine without speculation and one with it, each behind a proxy
+on free local ports, sends the same fresh requests to both in interleaved rounds, prints a side-by-side
+table with the verdict (the median round's on/off ratio and the rounds' spread) and why speculation
+drafted as much as it did, and writes report.json, report.md and report.png (and the servers' logs
+under logs/). Where Debian's `prometheus` is installed it also runs one of its own on the speculating
+engine's proxy and draws the dashboard's panels to dashboard.png (docs/monitoring.md). Ctrl-C stops everything
+it started.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ def register(subparsers: Any) -> None:
         description=__doc__, **subcommand_kwargs(),
     )
     parser.add_argument("--out", type=Path, default=Path("demo-results"), help="report folder (default ./demo-results)")
-    parser.add_argument("--num-requests", type=int, help="requests per run (default 8; --quick: 4)")
+    parser.add_argument("--num-requests", type=int, help="requests per round, for each of off and on (default 8; "
+                        "--quick: 4)")
+    parser.add_argument("--rounds", type=int, help="rounds of off and on, in alternating order (default 6; --quick: 2)")
     parser.add_argument("--max-tokens", type=int, help="cap on each request's output length (default 48; --quick: 24)")
     parser.add_argument("--quick", action="store_true", help="a smaller workload, for a first look or CI")
     parser.set_defaults(func=run)
@@ -37,12 +43,13 @@ def run(args: argparse.Namespace) -> int:
     from decodeservice.bench.errors import BenchConfigError, BenchError
     from decodeservice.cli.common import UsageError
 
-    for flag in ("num_requests", "max_tokens"):
+    for flag in ("num_requests", "rounds", "max_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
     config = DemoConfig.quick(args.out) if args.quick else DemoConfig(out=args.out)
-    overrides = {k: v for k, v in (("num_requests", args.num_requests), ("max_tokens", args.max_tokens)) if v}
+    overrides = {k: v for k, v in (("num_requests", args.num_requests), ("rounds", args.rounds),
+                                   ("max_tokens", args.max_tokens)) if v}
     try:
         config = replace(config, **overrides)
     except BenchConfigError as exc:
@@ -67,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     stdout = Console()
     # Piped output (CI, `| tee`) has no terminal width; the default 80 columns would wrap every cell.
-    (stdout if stdout.is_terminal else Console(width=160)).print(side_by_side(result))
+    out = stdout if stdout.is_terminal else Console(width=160)
+    out.print(side_by_side(result))
+    for note in result.notes[:2]:  # the verdict, and why speculation drafted as much as it did
+        out.print(note)
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -37,18 +37,22 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     result = subprocess.run([*DECODECTL, "demo", "--quick", "--num-requests", "2", "--max-tokens", "8",
                              "--out", str(out)], capture_output=True, text=True, timeout=600, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
-    for row in ("TTFT p50", "ITL p50", "output tok/s", "goodput", "spec acceptance", "speculation on"):
+    for row in ("TTFT p50", "ITL p50", "output tok/s", "goodput", "spec acceptance", "speculation on",
+                "on/off, median (rounds)", "speculation on is"):
         assert row in result.stdout
     data = json.loads((out / "report.json").read_text())
     off, on = data["levels"]
     assert off["label"].startswith("speculation off") and on["label"].startswith("speculation on")
-    assert off["completed"] == on["completed"] == 2
-    assert off["total_output_tokens"] == on["total_output_tokens"] == 16  # ignore_eos: exactly max_tokens
+    assert off["completed"] == on["completed"] == 4  # --quick: 2 rounds of 2 requests each
+    assert off["total_output_tokens"] == on["total_output_tokens"] == 32  # ignore_eos: exactly max_tokens
     assert data["extra_columns"]["spec acceptance"][0] == "off"
-    assert "drafted" in data["extra_columns"]["spec acceptance"][1]
+    verdict, reason, per_round = data["notes"][:3]
+    assert verdict.startswith("speculation on is") and "median of 2 rounds" in verdict
+    assert len(per_round.split(":")[1].split(",")) == 2
+    assert "drafts landed" in reason or "speculation stays off" in reason or "no request drafted" in reason
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG" and (out / "report.md").exists()
     pids = [int(p) for p in data["settings"]["pids"].split()]
-    assert len(pids) == 3 and not any(alive(p) for p in pids)  # engine twice, proxy once: all stopped
+    assert len(pids) == 4 and not any(alive(p) for p in pids)  # two engines, a proxy each: all stopped
 
 
 def sigint_as_a_terminal_leaves_it() -> None:
