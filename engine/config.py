@@ -196,20 +196,17 @@ class SpeculativeConfig:
                                    "HF model folder)", flag="--draft-model")
     # self_draft: the target's first L layers plus its final norm and head.
     draft_layers: int | None = knob(None, help="self_draft: how many of the target's layers draft", minimum=1)
-    # Hard ceiling: nobody drafts while this many sequences run. Below it, `draft_row_cost` decides.
+    # Hard ceiling: nobody drafts while this many sequences run. Below it, the step's plan decides.
     disable_batch_size: int = knob(32, help="turn speculation off at this many running sequences",
                                    flag="--speculative-disable-batch-size", minimum=1)
-    # Per request, k follows the request's recent acceptance and the batch size (see decoder.py):
-    # position j is drafted only while its expected acceptance beats its cost.
+    # Per step, the drafts of each request follow its recent acceptance and what the batch's step takes
+    # with that many more rows (spec_decode/policy.py): a draft row costs a small fraction of a one-stream
+    # step and nearly a full stream's share of a 16-stream one, and by how much depends on the machine,
+    # the weights and the thread count. So by default the engine measures the step time by batch size
+    # and drafts at start-up, on its own model (spec_decode/cost.py). adaptive=False drafts num_tokens.
     adaptive: bool = True
-    # What verifying one more position costs, as a fraction of a batch-1 decode step. It depends on the
-    # machine, the weights and the thread count: benchmarks/decode_step.py (verify_row_cost) measured
-    # 0.26-0.30 for the bundled model's int4 weights at 1 thread (the int4 kernel's cost grows with
-    # rows) and about 0.04 for oneDNN-packed fp32 on 2 cores; on a GPU at small batch it is far lower.
-    # So by default the engine measures it at start-up, on its own model (ModelRunner.verify_row_cost).
-    # A draft at position j pays when P(accepted) > draft_row_cost x batch size, so the same rule turns
-    # speculation down as the batch grows and turns it off for requests whose drafts keep failing.
-    # 0 always drafts num_tokens.
+    # Configured instead: every row, a stream's or a draft's, costs draft_row_cost of a one-row step (a
+    # line in place of the measured curve); 0 always drafts num_tokens.
     draft_row_cost: float | None = knob(
         None, help="cost of verifying one more draft, as a fraction of a decode step; sets how fast k shrinks "
         "with low acceptance and large batches (unset: measured at start-up on this machine and model)",
