@@ -109,9 +109,12 @@ def timed(record: RequestRecord) -> Timed:
 def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> dict[str, Any]:
     wall = max(t.end for t in burst) - min(t.start for t in burst)
     short = [t.tokens for t in singles + burst if t.tokens != output_tokens]
+    decode = statistics.median(t.decode for t in singles)
     return {"ttft_s": statistics.median(t.ttft for t in singles),
-            "decode_tokens_per_s": statistics.median(t.decode for t in singles),
+            "decode_tokens_per_s": decode,
             "streams_output_tokens_per_s": sum(t.tokens for t in burst) / wall,
+            # how the burst scales: its output tokens/s over one stream's decode tokens/s
+            "streams_over_single": sum(t.tokens for t in burst) / wall / decode,
             "streams_ttft_p50_s": statistics.median(t.ttft for t in burst),
             "streams_wall_s": wall,
             **({"wrong_output_lengths": short} if short else {})}
@@ -189,9 +192,12 @@ def child() -> int:
     from decodeservice.engine import Engine, SamplingParams
 
     engine = Engine.from_pretrained(MODEL)  # the defaults `decodectl engine` serves with
+    plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {}
     print(json.dumps({"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "torch_threads": torch.get_num_threads(), "weights": engine.model.weight_format,
                       "activations": str(engine.dtype).removeprefix("torch."),
+                      "prompt_copy_bytes": plan.get("prompt_copy_bytes"),
+                      "kernel_rows": plan.get("rows"),
                       "steps_on": "a second thread, as the server's engine loop"}), flush=True)
 
     def run_batch(batch: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -308,9 +314,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 order = lanes[index % len(lanes):] + lanes[:index % len(lanes)]
                 results: dict[str, dict[str, Any]] = {}
                 for lane in order:
+                    load = os.getloadavg()
                     singles = [(await lane.run([fresh(body, args.output_tokens)]))[0] for _ in range(args.singles)]
                     burst = await lane.run([fresh(body, args.output_tokens) for _ in range(args.streams)])
-                    results[lane.name] = summarize(singles, burst, args.output_tokens)
+                    results[lane.name] = {**summarize(singles, burst, args.output_tokens), "load_avg_at_start": load}
                     print(f"round {index + 1} {lane.name}: {json.dumps(results[lane.name])}", file=sys.stderr)
                 per_round.append(results)
         finally:
@@ -318,7 +325,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await lane.stop()
     names = list(per_round[0]) if per_round else []
     report["lanes"] = {name: {key: statistics.median(r[name][key] for r in per_round)
-                              for key in per_round[0][name] if key != "wrong_output_lengths"} for name in names}
+                              for key in per_round[0][name] if key not in ("wrong_output_lengths", "load_avg_at_start")}
+                       for name in names}
     report["rounds"] = per_round
     report["ratios"] = ratios(report["lanes"])
     by_round = [ratios(r) for r in per_round]

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodeservice.engine.quant import prompt_weights
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4Linear, RowPlanned
 from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension
@@ -64,8 +65,9 @@ NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
 # 3: dense thresholds as measured (the floor for mixed steps at the call); 4: native dequant; 5: int8 dot;
-# 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it); 7: it takes fp32 rows as they are
-PLAN_VERSION = 7
+# 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it); 7: it takes fp32 rows as they are;
+# 8: prompt rows on a packed dense copy where faster (prompt_weights.py), timings' min over more runs
+PLAN_VERSION = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,7 @@ class ShapePlan:
     w8a8_from: int | None
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     int8_dot: bool = False  # weight-only calls take native.py's int8-dot kernel, not torch's
+    prompt_packed: bool = False  # prompt rows measured faster on a packed dense copy (prompt_weights.py)
 
     @property
     def mixed_dense_from(self) -> int | None:
@@ -98,6 +101,7 @@ class KernelPlan:
     fallbacks: tuple[str, ...]  # "module: path turned off (error)" for each failed self-check
     native_dequant: bool  # the dense path dequantizes with native.py's C++ kernel (where it checked out)
     seconds: float
+    prompt_copy_bytes: int = 0  # the packed dense copies prompt rows run on (prompt_weights.py), together
     # Planned for deterministic mode: the int8-dot kernel (rows computed alone) on every module it fits,
     # whatever the race said, since every row of that mode takes it (linear.RowPlanned.invariant_rows).
     deterministic: bool = False
@@ -114,7 +118,9 @@ class KernelPlan:
             "native_dequant": self.native_dequant,
             "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot else "torch int4",
                            "dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
-                           "w8a8_from": p.w8a8_from} for key, p in self.shapes.items()},
+                           "w8a8_from": p.w8a8_from, "prompt_packed": p.prompt_packed}
+                     for key, p in self.shapes.items()},
+            "prompt_copy_bytes": self.prompt_copy_bytes,
             "deterministic": self.deterministic,
             "source": self.source,
             "self_check_fallbacks": list(self.fallbacks),
@@ -187,6 +193,11 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
     if deterministic and dot is not None:
         shapes = {key: replace(p, int8_dot=p.int8_dot or _dot_fits(modules[groups[key][0]])) for key, p in shapes.items()}
     fallbacks: list[str] = []
+    # All the prompt copies the plan wants, or none (the memory rule: prompt_weights.py); deterministic
+    # mode's rows all take one other path, so it keeps none.
+    wanted = sum(prompt_weights.copy_bytes(modules[n].out_features, modules[n].in_features, activations.dtype)
+                 for key, names in groups.items() if shapes[key].prompt_packed for n in names)
+    packing, copy_bytes = not deterministic and wanted <= prompt_weights.COPY_MAX_BYTES, 0
     if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
         fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
         shapes = {key: replace(p, w8a8_from=None) for key, p in shapes.items()}
@@ -196,12 +207,16 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
             if isinstance(module, Int4Linear):
                 module.use_int8_dot(dot if shapes[key].int8_dot and module.int8_dot_fits else None)
             module.set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
+            if packing and shapes[key].prompt_packed:
+                module.pack_prompt_weight(activations.dtype)
             fallbacks += self_check(name, modules[name], dtype=activations.dtype)
+            if module.prompt_weight is not None:  # it passed the self-check
+                copy_bytes += prompt_weights.copy_bytes(module.out_features, module.in_features, activations.dtype)
             if isinstance(module, Int4Linear):
                 module.release_torch_packing()  # where the int8-dot kernel passed: its tiles replace it
     plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
                       native_dequant=native is not None, seconds=time.perf_counter() - started,
-                      deterministic=deterministic)
+                      deterministic=deterministic, prompt_copy_bytes=copy_bytes)
     for line in fallbacks:
         log.warning("kernel self-check failed, falling back: %s", line)
     described = plan.describe()
@@ -245,6 +260,11 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
         if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
             failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
             module.set_row_plan(dense_from=1, w8a8_from=module.w8a8_from)
+    if module.prompt_weight is not None:
+        error = _relative_error(module.packed_linear(x.to(dtype)).float()[:, index], reference)
+        if not error < WEIGHT_ONLY_TOLERANCE:
+            failed.append(f"{name}: packed prompt copy off (relative error {error:.3g})")
+            module.pack_prompt_weight(None)
     if module.w8a8_from is not None:
         error = _relative_error(module.w8a8(x.to(dtype)).float()[:, index], reference)
         if not error < W8A8_TOLERANCE:
@@ -281,7 +301,14 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
             timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
             w8a8_from = first_win(timings["w8a8"], timings["weight_only_small"])
     dense_from = first_win(timings["dense"], timings["weight_only"])
-    return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings, int8_dot=int8_dot)
+    prompt_packed = False
+    if not head and prompt_weights.supported(dtype):
+        module.set_row_plan(dense_from=dense_from, w8a8_from=w8a8_from)  # the prompt path as planned
+        prompt_packed, packed_timings = prompt_weights.race(module.prompt_path, module.dense_weight(dtype), x,
+                                                            time_ms=_time_ms)
+        timings.update({f"prompt_{path}": rungs for path, rungs in packed_timings.items()})
+    return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings, int8_dot=int8_dot,
+                     prompt_packed=prompt_packed)
 
 
 def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
@@ -328,13 +355,17 @@ def first_win(challenger: dict[int, float], incumbent: dict[int, float]) -> int 
     return first
 
 
-def _time_ms(fn: Callable[[], object], *, repeats: int = 3) -> float:
+def _time_ms(fn: Callable[[], object], *, repeats: int = 5, budget_s: float = 0.02, most: int = 200) -> float:
+    """Min over at least `repeats` runs, more (up to `most`) until `budget_s` has passed: on a loaded 2-core
+    machine a call of tens of microseconds was hit by a time slice in every one of 5 runs (12 ms for a
+    0.03 ms call), and a plan measured so is cached for good."""
     fn()  # warm: first-call allocation and oneDNN primitive creation are not the steady state
-    best = float("inf")
-    for _ in range(repeats):
+    best, runs, started = float("inf"), 0, time.perf_counter()
+    while runs < repeats or (runs < most and time.perf_counter() - started < budget_s):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        runs += 1
     return best * 1e3
 
 
@@ -364,6 +395,7 @@ def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dty
 def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
     return read_cached(path, lambda raw: {
         key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"], int8_dot=bool(p["int8_dot"]),
+                       prompt_packed=bool(p["prompt_packed"]),
                        timings_ms={path_: {int(r): float(ms) for r, ms in rungs.items()}
                                    for path_, rungs in p["timings_ms"].items()})
         for key, p in raw["shapes"].items()})

@@ -72,10 +72,24 @@ class RowPlanned(nn.Module):
     dense_from: int | None
     w8a8_from: int | None
     step_rows: StepRows = StepRows()  # a model's own once it shares one (LlamaModel.share_step_rows)
+    # Prompt rows' dense weights, dequantized once and packed for oneDNN, where the kernel plan measured
+    # them faster than the prompt path's other routes within its memory rule (kernel_plan.py); None:
+    # prompt rows dequantize per call or take the weight-only kernel.
+    prompt_weight: torch.Tensor | None = None
 
     def set_row_plan(self, *, dense_from: int | None, w8a8_from: int | None) -> None:
         self.dense_from = dense_from
         self.w8a8_from = w8a8_from if self.has_w8a8 else None
+
+    def pack_prompt_weight(self, dtype: torch.dtype | None) -> None:
+        """Prompt rows through a oneDNN-packed dense copy in `dtype` (None drops it)."""
+        self.prompt_weight = None if dtype is None else \
+            torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(dtype), None)
+
+    def packed_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        assert self.prompt_weight is not None
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.prompt_weight, None, "none", [], "")
+        return out
 
     @property
     def has_w8a8(self) -> bool:
@@ -98,7 +112,6 @@ class RowPlanned(nn.Module):
         weight = self.dense_weight(flat.dtype)
         return tiled_linear(flat, lambda rows: F.linear(rows, weight))
 
-
     def by_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """Decode and verify rows: the path this machine's plan gives their count."""
         rows = flat.shape[0]
@@ -109,10 +122,13 @@ class RowPlanned(nn.Module):
         return self.weight_only_rows(flat)
 
     def prompt_path(self, flat: torch.Tensor) -> torch.Tensor:
-        """Prompt rows: one path whatever their count (StepRows). W8A8 where it is on (per-row scales and
+        """Prompt rows: one path whatever their count (StepRows). The packed dense copy where the plan keeps
+        one (prompt_weights.py), called on ROW_TILE-padded rows; else W8A8 where it is on (per-row scales and
         exact integer sums: a row's result is its own); else the dense GEMM where the plan found it faster
         at some row count (what long prompt chunks need), called on ROW_TILE-padded rows; else the
         weight-only kernel (a row's result is its own at every row count: engine/quant/int4_dot.cpp)."""
+        if self.prompt_weight is not None:  # measured faster than the routes below (prompt_weights.py)
+            return tiled_linear(flat, self.packed_linear)
         if self.w8a8_from is not None:
             return self.w8a8(flat)
         if self.dense_from is not None:

@@ -132,7 +132,13 @@ def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path:
     assert all("torch._int_mm is not exact" in line for line in plan.fallbacks)  # only where it is not (AVX2)
     assert set(plan.shapes) == {"Int4Linear 192x64", "Int8Linear+w8a8 head 320x64"}
     int4 = plan.shapes["Int4Linear 192x64"]
-    assert set(int4.timings_ms) == {"weight_only", "dense"} and all(ms > 0 for ms in int4.timings_ms["dense"].values())
+    # prompt chunks against a packed dense copy too, where oneDNN has one (prompt_weights.py)
+    assert set(int4.timings_ms) - {"prompt_prompt_path", "prompt_packed"} == {"weight_only", "dense"}
+    assert all(ms > 0 for ms in int4.timings_ms["dense"].values())
+    copies = [m for m in (model.a, model.b) if m.prompt_weight is not None]
+    assert (len(copies) == 2) == int4.prompt_packed  # the memory rule takes all of a small model's copies
+    assert plan.prompt_copy_bytes == sum(m.out_features * m.in_features * 4 for m in copies)  # fp32 copies
+    assert model.lm_head.prompt_weight is None  # the head never sees a prompt chunk
     assert "w8a8" in plan.shapes["Int8Linear+w8a8 head 320x64"].timings_ms
     assert model.a.dense_from == model.b.dense_from == int4.dense_from
     described = plan.describe()
