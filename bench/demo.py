@@ -164,8 +164,9 @@ class Demo:
                                     argv=decodectl("proxy", "--upstream", engine_url, "--host", "127.0.0.1", "--port",
                                                    proxy_url.rsplit(":", 1)[1], "--policy", str(policy))), f"starting the proxy ({mode})")
             engines[mode], proxies[mode] = engine_url, proxy_url
-        # The dashboard follows the pair with speculation on (its acceptance panel, and the same load as off).
-        self.view.watch(proxy_url=proxies["on"], out=cfg.out, console=self.console)
+        # The dashboard draws both pairs as two services, spec-off and spec-on, side by side in each panel.
+        self.view.watch(services={f"spec-{mode}": url for mode, url in proxies.items()}, out=cfg.out,
+                        console=self.console)
         model = asyncio.run(resolve_model(proxies["on"], None))
         plan = plan_requests(load_dataset("mixed"), num_levels=cfg.rounds + 1, num_requests=cfg.num_requests,
                              seed=cfg.seed, max_tokens=MaxTokens(kind="dataset", cap=cfg.max_tokens))

@@ -4,9 +4,9 @@ It pulls the model if needed, starts an engine without speculation and one with 
 on free local ports, sends the same fresh requests to both in interleaved rounds, prints a side-by-side
 table with the verdict (the median round's on/off ratio and the rounds' spread) and why speculation
 drafted as much as it did, and writes report.json, report.md and report.png (and the servers' logs
-under logs/). Where Debian's `prometheus` is installed it also runs one of its own on the speculating
-engine's proxy and draws the dashboard's panels to dashboard.png (docs/monitoring.md). Ctrl-C stops everything
-it started.
+under logs/). Where Debian's `prometheus` is installed it also runs one of its own on both proxies and
+draws the dashboard's panels to dashboard.png, speculation off and on side by side (docs/monitoring.md).
+Ctrl-C stops everything it started.
 """
 
 from __future__ import annotations
