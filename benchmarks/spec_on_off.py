@@ -1,0 +1,229 @@
+"""Speculation on (its defaults: n-gram, adaptive, step costs measured at start-up) against off, in rounds.
+
+    .venv/bin/python -P benchmarks/spec_on_off.py [--dispatch native,avx2] [--rounds 3] [--max-tokens 48]
+        [--concurrency 1,4,16] [--workloads mixed,chat,open,input_grounded] [--out FILE]
+
+Workloads: `mixed` and `chat` are the shipped bench datasets (bench/datasets, the demo's and `decodectl
+bench`'s), `open` the open-ended chat questions and `input_grounded` the whole-text edits of
+benchmarks/spec_decode.py. Two engines share one model's weights, one with speculation off and one on.
+Each round sends every (workload, concurrency) cell's requests to both, one after the other, the order
+alternating from cell to cell and round to round, so the machine's load drifts over both alike; a
+round's cell uses prompts no earlier round used where the dataset has enough. Requests are greedy with
+ignore_eos (as `decodectl bench` sends them), so both engines decode the same number of tokens and
+must give the same text.
+
+Per cell: output tokens per wall second of the closed loop (prefill included) and mean decode tokens/s
+per request, on / off in each round, their median, min and max over rounds; acceptance and the share
+of decode steps that drafted. A cell whose rounds' ratios straddle 1.0 is within this machine's noise.
+The load average is recorded before and after. `--dispatch avx2` reruns in a child under
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2. JSON out
+(benchmarks/results/spec_on_off.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+
+from spec_decode import workload_messages
+
+from decodeservice.bench.dataset import load_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+WORKLOADS = ("mixed", "chat", "open", "input_grounded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellRun:
+    output_tok_s: float  # all output tokens / wall seconds of the closed loop
+    decode_tok_s: float  # mean over requests of (tokens - 1) / (finish - first token)
+    wall_s: float
+    # output tokens / CPU seconds of this process: steadier than wall time where others load the machine
+    cpu_tok_s: float
+    output_tokens: int
+    decode_steps: int
+    drafting_steps: int  # steps in which some sequence verified drafts
+    draft_tokens: int
+    accepted_tokens: int
+
+
+def conversations(workload: str) -> list[list[dict[str, str]]]:
+    """The workload's chat messages, in a fixed order (datasets: a seeded shuffle)."""
+    if workload in ("mixed", "chat"):
+        entries = [e for e in load_dataset(workload) if e.messages is not None]
+        random.Random(0).shuffle(entries)
+        return [[{"role": m.role, "content": m.content} for m in e.messages or ()] for e in entries]
+    name = {"open": "open_ended", "input_grounded": "input_grounded"}[workload]
+    return [[{"role": "user", "content": m}] for m in workload_messages(name)]
+
+
+def run_cell(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: int) -> tuple[CellRun, list[list[int]]]:
+    """Closed loop: keep `concurrency` requests in flight until every prompt is done. Also the outputs'
+    token ids, in prompt order."""
+    from decodeservice.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = engine.stats().spec_decode
+    pending = list(enumerate(prompts))
+    in_flight: dict[str, int] = {}
+    done: dict[int, Any] = {}
+    steps = drafting = 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            index, prompt = pending.pop(0)
+            in_flight[engine.add_request(prompt, params)] = index
+        drafts_before = engine.spec.num_drafts if engine.spec is not None else 0
+        outs = engine.step()
+        steps += 1
+        drafting += engine.spec is not None and engine.spec.num_drafts > drafts_before
+        for out in outs:
+            if out.finished:
+                done[in_flight.pop(out.request_id)] = out
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    after = engine.stats().spec_decode
+    rates = [(len(o.token_ids) - 1) / max(o.metrics.finished_time - o.metrics.first_token_time, 1e-9)
+             for o in done.values() if len(o.token_ids) > 1 and o.metrics.first_token_time and o.metrics.finished_time]
+    tokens = sum(len(o.token_ids) for o in done.values())
+    run = CellRun(output_tok_s=tokens / wall, decode_tok_s=statistics.fmean(rates) if rates else 0.0, wall_s=wall,
+                   cpu_tok_s=tokens / max(cpu, 1e-9),
+                   output_tokens=tokens, decode_steps=steps, drafting_steps=drafting,
+                   draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+                   accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens)
+    return run, [done[i].token_ids for i in sorted(done)]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def measure(*, rounds: int, max_tokens: int, concurrency: list[int], workloads: list[str], min_requests: int,
+            skip: list[str], partial: Path | None = None) -> dict[str, Any]:
+    """`skip`: cells ("workload:concurrency") left out; `partial`: where the cells so far are written after
+    each one (a long run cut short keeps what it measured)."""
+    import torch
+
+    from decodeservice.engine import Engine, EngineConfig, SpeculativeConfig
+    from decodeservice.engine.quant import detect_cpu
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    load_before = os.getloadavg()
+    off = Engine.from_pretrained("smollm2-135m")
+    on = Engine(model=off.model, tokenizer=off.tokenizer, config=EngineConfig(speculative=SpeculativeConfig(method="ngram")))
+    assert on.spec is not None and on.spec.curve is not None
+    spec_cfg = on.spec.config
+    texts = {w: [off.tokenizer.apply_chat_template(c) for c in conversations(w)] for w in workloads}
+    warm = texts[workloads[0]][0]
+    for engine in (off, on):  # the first forwards of a process pay for kernel selection and allocator growth
+        run_cell(engine, [warm] * 2, concurrency=2, max_tokens=16)
+    cells: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    flip = 0
+    for r in range(rounds):
+        for workload in workloads:
+            for c in concurrency:
+                if f"{workload}:{c}" in skip:
+                    continue
+                count = max(c, min_requests)
+                pool = texts[workload]
+                prompts = [pool[(r * count + i) % len(pool)] for i in range(count)]
+                order = [("off", off), ("on", on)] if flip % 2 == 0 else [("on", on), ("off", off)]
+                flip += 1
+                results = {name: run_cell(engine, prompts, concurrency=c, max_tokens=max_tokens) for name, engine in order}
+                runs = {name: result[0] for name, result in results.items()}
+                cell = cells.setdefault(f"{workload} c={c}", {"workload": workload, "concurrency": c,
+                                                              "requests_per_round": count, "rounds": []})
+                cell["rounds"].append({
+                    "first": order[0][0],
+                    "off": asdict(runs["off"]), "on": asdict(runs["on"]),
+                    "output_ratio": round(runs["on"].output_tok_s / runs["off"].output_tok_s, 3),
+                    "decode_ratio": round(runs["on"].decode_tok_s / max(runs["off"].decode_tok_s, 1e-9), 3),
+                    "cpu_ratio": round(runs["on"].cpu_tok_s / runs["off"].cpu_tok_s, 3),
+                    "same_tokens": results["on"][1] == results["off"][1]})
+                print(f"round {r} {workload} c={c}: on/off {cell['rounds'][-1]['output_ratio']}", file=sys.stderr, flush=True)
+                if partial is not None:
+                    partial.write_text(json.dumps({"load_average": os.getloadavg(), "cells": cells}, indent=1) + "\n")
+    for cell in cells.values():
+        rows = cell["rounds"]
+        ons = [row["on"] for row in rows]
+        drafted = sum(x["draft_tokens"] for x in ons)
+        cell["output_ratio"] = spread([row["output_ratio"] for row in rows])
+        cell["decode_ratio"] = spread([row["decode_ratio"] for row in rows])
+        cell["cpu_ratio"] = spread([row["cpu_ratio"] for row in rows])
+        cell["pooled_output_ratio"] = round(sum(x["output_tokens"] for x in ons) / sum(x["wall_s"] for x in ons) /
+                                            (sum(row["off"]["output_tokens"] for row in rows) /
+                                             sum(row["off"]["wall_s"] for row in rows)), 3)
+        cell["same_tokens_every_round"] = all(row["same_tokens"] for row in rows)
+        cell["acceptance"] = round(sum(x["accepted_tokens"] for x in ons) / drafted, 3) if drafted else None
+        cell["drafting_step_share"] = round(sum(x["drafting_steps"] for x in ons) / sum(x["decode_steps"] for x in ons), 3)
+        lo, hi = cell["output_ratio"]["min"], cell["output_ratio"]["max"]
+        cell["verdict"] = ("within noise" if lo <= 1.0 <= hi else "gain" if lo > 1.0 else "loss") + \
+            ("" if cell["output_ratio"]["median"] >= 0.97 else " (median below 0.97)")
+    assert on.spec.curve is not None
+    return {
+        "cpu": detect_cpu().describe(),
+        "caps": {k: os.environ[k] for k in AVX2_CAPS if k in os.environ},
+        "activations": str(off.dtype).removeprefix("torch."), "kv_cache": str(off.kv_dtype).removeprefix("torch."),
+        "weights": off.model.weight_format, "threads": torch.get_num_threads(),
+        "speculative": {"method": spec_cfg.method, "num_tokens": spec_cfg.num_tokens,
+                        "disable_batch_size": spec_cfg.disable_batch_size, "row_cost_measured": round(on.spec.row_cost, 4),
+                        "step_cost_curve": on.spec.curve.describe(),
+                        "break_even_acceptance": {str(b): round(v, 3) for b in concurrency
+                                                  if (v := on.spec.break_even_acceptance(b)) is not None},
+                        "overhead_ms_per_drafting_stream": round(on.spec.overhead_ms, 3)},
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.perf_counter() - started, 1),
+        "cells": cells,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dispatch", default="native,avx2", help="native, avx2 or both (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--min-requests", type=int, default=2, help="requests per cell and round, at least")
+    parser.add_argument("--skip", default="", help="cells to leave out, e.g. mixed:16 (comma-separated)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/spec_on_off.json")
+    args = parser.parse_args()
+    run = {"rounds": args.rounds, "max_tokens": args.max_tokens, "min_requests": args.min_requests,
+           "concurrency": [int(c) for c in args.concurrency.split(",")], "workloads": args.workloads.split(","),
+           "skip": [x for x in args.skip.split(",") if x]}
+    if args.child:
+        partial = args.out.with_suffix(f".{'avx2' if 'ATEN_CPU_CAPABILITY' in os.environ else 'native'}.partial.json")
+        print("RESULT " + json.dumps(measure(**run, partial=partial)), flush=True)
+        return
+    results: dict[str, Any] = {"command": " ".join(["benchmarks/spec_on_off.py", *sys.argv[1:]]), **run,
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for dispatch in args.dispatch.split(","):
+        env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {})}
+        child = subprocess.run([sys.executable, "-P", __file__, "--child", *sys.argv[1:]], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True, check=True)
+        line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
+        results[dispatch] = json.loads(line.removeprefix("RESULT "))
+        for name, cell in results[dispatch]["cells"].items():
+            print(f"{dispatch} {name}: on/off {cell['output_ratio']} acceptance {cell['acceptance']} "
+                  f"drafting {cell['drafting_step_share']} {cell['verdict']}", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")  # after each dispatch: a crash keeps the first
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
