@@ -66,8 +66,10 @@ NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 BF16_LOSS, BF16_ROUNDS = 3.0, 4
 # 3: dense thresholds as measured (the floor for mixed steps at the call); 4: native dequant; 5: int8 dot;
 # 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it); 7: it takes fp32 rows as they are;
-# 8: prompt rows on a packed dense copy where faster (prompt_weights.py), timings' min over more runs
-PLAN_VERSION = 8
+# 8: prompt rows on a packed dense copy where faster (prompt_weights.py); 9: timings' min over 20 ms of runs
+# (version 8's plans were measured with 5 runs: a loaded machine's cached one took torch's int4 kernel over the
+# int8-dot kernel for q/k/v and gate/up)
+PLAN_VERSION = 9
 
 
 @dataclass(frozen=True, kw_only=True)
