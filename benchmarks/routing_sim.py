@@ -27,7 +27,8 @@ context, both from `long_context_2600_native_cpu2_vector_softmax.json`; how the 
     .venv/bin/python -P benchmarks/routing_sim.py --fixed --out benchmarks/results/routing_sim_fixed.json
 
 `--fixed` runs the policies alone, without the autoscaler's feedback: fleets of each `--peaks` size at
-a constant 0.9 of their sustainable rate, both workloads, 300 s each.
+a constant 0.9 of their sustainable rate, both workloads, 300 s each (`--workloads`, `--policies`: a
+subset, for one slow case, e.g. `--fixed --peaks 64 --workloads multi --policies router`).
 
 Not fast at 64 replicas: on the shared 2-core machine (load ~8) `--peaks 8` took 3.5 minutes,
 `--fixed` (8 and 64) 6 minutes, and the default's 64-replica peak did not finish in 25 minutes.
@@ -243,10 +244,12 @@ def fixed_fleets(args: argparse.Namespace, costs: Costs, r1: dict[str, float],
     runs = []
     for peak_n in args.peaks:
         for kind, make in (("single", single), ("multi", multi)):
+            if kind not in args.workloads:
+                continue
             workload = make(constant(args.fixed_load * peak_n * r1[kind], 60.0 if args.short else 300.0))
             entry: dict[str, Any] = {"replicas": peak_n, "workload": workload.name, "load": args.fixed_load,
                                      "policies": {}}
-            for name in POLICIES:
+            for name in args.policies:
                 entry["policies"][name] = simulate(workload, make_policy(name, costs), costs=costs,
                                                    scaler=lambda o, n=peak_n: n, initial=peak_n, seed=args.seed)
             runs.append(entry)
@@ -270,9 +273,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fixed", action="store_true",
                     help="instead: fixed fleets of each --peaks size at a constant --fixed-load, no autoscaler")
     ap.add_argument("--fixed-load", type=float, default=0.9, help="with --fixed: the share of the fleet's rate")
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=["single", "multi"],
+                    help="with --fixed: which workloads (single, multi)")
+    ap.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
+                    help="with --fixed: which policies (a subset of the default)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if not set(args.policies) <= set(POLICIES) or not set(args.workloads) <= {"single", "multi"}:
+        ap.error(f"--policies: a subset of {','.join(POLICIES)}; --workloads: a subset of single,multi")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     report = study(args)
     if args.out:

@@ -203,6 +203,7 @@ class RouterPolicy:
         self.states: dict[str, EndpointState] = {}
         self.scraped: dict[str, tuple[float, dict[str, int]]] = {}  # name -> (when, the proxy's queue by class)
         self.mean_uncached = 256.0
+        self.model = PrefillModel()  # the fleet's, as `Fleet.model`
         self.shed = 0
         self._ids = itertools.count()
 
@@ -220,7 +221,7 @@ class RouterPolicy:
             state = self.states.get(r.name)
             if state is None:
                 state = self.states[r.name] = EndpointState(url=r.name, probed=False, ready=True,
-                                                            model=self._new_model())
+                                                            model=self.model)
             estimate = state.model.estimate
             queued = self._queued(r, turn.cls, now)
             views.append(EndpointView(
@@ -251,13 +252,6 @@ class RouterPolicy:
 
         turn.on_first_token = first_token
         return next(r for r in ready if r.name == d.endpoint)
-
-    def _new_model(self) -> PrefillModel:
-        learned = [s.model.estimate for s in self.states.values() if s.model.observed]
-        if not learned:
-            return PrefillModel()
-        return PrefillModel(base_s=sum(m.base_s for m in learned) / len(learned),
-                            cost_per_token_s=sum(m.cost_per_token_s for m in learned) / len(learned))
 
     def forget(self, name: str) -> None:
         self.states.pop(name, None)

@@ -54,7 +54,7 @@ class EndpointState:
     probed: bool  # readiness comes from our own /ready probe (static list), not from an EndpointSlice
     ready: bool = False
     load: ScrapedLoad = NO_LOAD
-    model: PrefillModel = dataclasses.field(default_factory=PrefillModel)
+    model: PrefillModel = dataclasses.field(default_factory=PrefillModel)  # the Fleet passes its one model
     # The router's requests there still before their first token; a stream that has begun decoding no
     # longer delays a newcomer (the engine batches it in), so it leaves this table.
     prefill: dict[int, InFlight] = dataclasses.field(default_factory=dict)
@@ -77,6 +77,12 @@ class Fleet:
         self._ids = itertools.count()
         # The mean uncached prompt of a request: what each request in a proxy's queue is taken to cost.
         self.mean_uncached = 256.0
+        # One TTFT model for the fleet, fed by every endpoint's first tokens: the endpoints of one service
+        # run the same model on the same hardware, so what differs between them is the work counted ahead.
+        # Fitted per endpoint, each base learned that endpoint's recent uncounted waits (a batch slot, the
+        # prefill of prompts admitted in the same step), and the lowest fitted base drew the requests until
+        # it was overloaded: a herd (benchmarks/routing_sim.py, docs/routing.md).
+        self.model = PrefillModel()
 
     # -- the endpoint set ---------------------------------------------------------------------------
     def ready_urls(self) -> list[str]:
@@ -91,18 +97,10 @@ class Fleet:
         for url, ready in endpoints.items():
             state = self.endpoints.get(url)
             if state is None:
-                state = self.endpoints[url] = EndpointState(url=url, probed=ready is None, model=self._new_model())
+                state = self.endpoints[url] = EndpointState(url=url, probed=ready is None, model=self.model)
             if ready is not None:
                 state.ready = ready
         self._notify()
-
-    def _new_model(self) -> PrefillModel:
-        """A new endpoint starts from what its peers have learned, not from the generic prior."""
-        learned = [e.model.estimate for e in self.endpoints.values() if e.model.observed]
-        if not learned:
-            return PrefillModel()
-        return PrefillModel(base_s=sum(m.base_s for m in learned) / len(learned),
-                            cost_per_token_s=sum(m.cost_per_token_s for m in learned) / len(learned))
 
     def mark_unready(self, url: str) -> None:
         state = self.endpoints.get(url)

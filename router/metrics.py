@@ -14,7 +14,8 @@ from decodeservice.proxy.policy import PriorityClass
 PREFIX = "decode_router:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHED_REASONS = ("slo", "hold_timeout", "hold_full")
-DECISION_REASONS = ("prefix_hit_within_slo", "least_predicted_ttft", "rendezvous", "only_endpoint")
+DECISION_REASONS = ("prefix_hit_within_slo", "least_predicted_ttft", "least_work", "rendezvous",
+                    "only_endpoint")
 
 
 class RouterMetrics:

@@ -1,4 +1,6 @@
-"""Per endpoint, how TTFT grows with the prefill work ahead of a request: ttft = base + tokens x cost.
+"""How TTFT grows with the prefill work ahead of a request: ttft = base + tokens x cost. The router fits
+one for the whole fleet (`Fleet.model`): per endpoint, each base learned its endpoint's uncounted waits
+and the lowest drew the requests.
 
 Fitted online by least squares with exponential forgetting (each new sample weighs as much as the
 last `1 / (1 - DECAY)` together), so the model follows an endpoint that slows down (a noisy neighbour,

@@ -4,7 +4,8 @@ Per ready endpoint the router predicts the request's time to first token:
 
     predicted = base + (prefill tokens ahead + the prompt's uncached tokens) x cost per token
 
-`base` and `cost per token` are learned per endpoint from the first tokens it observes (`PrefillModel`),
+`base` and `cost per token` are learned for the whole fleet from the first tokens it observes (`PrefillModel`,
+one fit: endpoints of one service differ by the work counted ahead, and per-endpoint bases herded),
 "tokens ahead" counts the router's own requests on that endpoint still in prefill plus the proxy's
 queue from its /metrics, and the uncached tokens are the prompt minus the prefix the index says the
 endpoint holds. Then:
@@ -18,7 +19,8 @@ endpoint holds. Then:
    conversation key over the tied endpoints predicted within `COLD_SLACK` of the objective of the
    fastest of them (`rendezvous`). Two routers that see the same endpoints pick the same one without
    sharing state, so running two does not split a conversation's turns between two caches;
-4. no endpoint within the objective: the least predicted TTFT (`least_predicted_ttft`), or a shed
+4. no endpoint within the objective: the least prefill work, ahead plus the prompt's uncached tokens,
+   ties by rendezvous (`least_work`, join-the-shortest-queue: seconds from a fit's base would herd), or a shed
    when even that one is over the objective, busy, and its cost model has been observed, unless the
    request's own prefill is over the objective by itself (`should_shed`).
 """
@@ -46,6 +48,7 @@ KV_PRESSURE = 0.9
 class Reason(enum.StrEnum):
     PREFIX_HIT_WITHIN_SLO = "prefix_hit_within_slo"
     LEAST_PREDICTED_TTFT = "least_predicted_ttft"
+    LEAST_WORK = "least_work"
     RENDEZVOUS = "rendezvous"
     ONLY_ENDPOINT = "only_endpoint"
 
@@ -106,7 +109,7 @@ def decide(views: Sequence[EndpointView], *, prompt_tokens: int, conversation: b
         return made(views[0], Reason.ONLY_ENDPOINT)
     within = [v for v in views if predicted[v.url] <= objective_s]
     if not within:
-        return made(min(views, key=lambda v: (predicted[v.url], v.url)), Reason.LEAST_PREDICTED_TTFT)
+        return made(least_work(views, prompt_tokens, conversation), Reason.LEAST_WORK)
     best_hit = max(effective_hit(v) for v in within)
     top = [v for v in within if effective_hit(v) >= best_hit - HIT_TIE_SHARE * prompt_tokens]
     if len(top) == 1:
@@ -115,6 +118,19 @@ def decide(views: Sequence[EndpointView], *, prompt_tokens: int, conversation: b
     near = [v for v in top if predicted[v.url] <= fastest + COLD_SLACK * objective_s]
     chosen = rendezvous([v.url for v in near], conversation)
     return made(next(v for v in near if v.url == chosen), Reason.RENDEZVOUS)
+
+
+def least_work(views: Sequence[EndpointView], prompt_tokens: int, conversation: bytes) -> EndpointView:
+    """Join the shortest queue, counted in prefill tokens (those ahead plus the prompt's uncached ones, so
+    a prefix hit shortens an endpoint's queue by what it saves), not in predicted seconds: each endpoint's
+    learned base and slope differ by noise, and under load a base learns the wait for a batch slot, so
+    the lowest fitted base would draw every request (a herd). Equal work: rendezvous of the conversation,
+    so ties spread, and two routers agree, rather than falling to the first URL."""
+    work = {v.url: v.tokens_ahead + max(prompt_tokens - effective_hit(v), 1) for v in views}
+    least = min(work.values())
+    tied = [v.url for v in views if work[v.url] <= least]
+    chosen = rendezvous(tied, conversation)
+    return next(v for v in views if v.url == chosen)
 
 
 def should_shed(views: Sequence[EndpointView], *, prompt_tokens: int, objective_s: float) -> float | None:

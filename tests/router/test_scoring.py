@@ -56,10 +56,25 @@ def test_a_hit_on_an_endpoint_predicted_past_the_objective_is_passed_over() -> N
     assert (d.endpoint, d.reason) == ("a", Reason.LEAST_PREDICTED_TTFT)
 
 
-def test_when_no_endpoint_meets_the_objective_the_least_predicted_wins() -> None:
+def test_when_no_endpoint_meets_the_objective_the_least_work_wins() -> None:
     views = [view("a", ahead=3000), view("b", hit=512, ahead=2500), view("c", ahead=2900)]
     d = decide(views, prompt_tokens=600, conversation=b"c", objective_s=1.0)
-    assert (d.endpoint, d.reason) == ("b", Reason.LEAST_PREDICTED_TTFT)
+    assert (d.endpoint, d.reason) == ("b", Reason.LEAST_WORK)
+    assert d.predicted_ttft_s == pytest.approx(BASE + (2500 + 88) * COST)
+
+
+def test_over_the_objective_a_low_learned_base_does_not_draw_requests() -> None:
+    # Under load each base learns the wait for a batch slot with a slope near 0: b's lower base must not
+    # win over a's shorter queue, or every request would go to b.
+    views = [dataclasses.replace(view("a", ahead=200), base_s=1.2, cost_per_token_s=1e-7),
+             dataclasses.replace(view("b", ahead=900), base_s=1.1, cost_per_token_s=1e-7)]
+    d = decide(views, prompt_tokens=600, conversation=b"c", objective_s=1.0)
+    assert (d.endpoint, d.reason) == ("a", Reason.LEAST_WORK)
+    # The same work everywhere: the conversation's hash spreads requests instead of the first URL taking all.
+    same = [dataclasses.replace(view(u), base_s=1.2, cost_per_token_s=1e-7) for u in "abcd"]
+    chosen = [decide(same, prompt_tokens=600, conversation=bytes([k]), objective_s=1.0) for k in range(64)]
+    assert {c.endpoint for c in chosen} == set("abcd") and {c.reason for c in chosen} == {Reason.LEAST_WORK}
+    assert all(c.endpoint == rendezvous(list("abcd"), bytes([k])) for k, c in enumerate(chosen))
 
 
 def test_a_cold_prefix_goes_by_rendezvous_among_the_near_least_loaded() -> None:
