@@ -26,6 +26,10 @@ import numpy as np
 # Speculation must beat plain decoding by this much in expectation before a step drafts at all: the
 # acceptance and step-time estimates are noisy, and a predicted 2% gain is as likely a loss.
 MIN_GAIN = 0.05
+# No draft row is free: each costs at least this share of a one-stream plain step (the head and the
+# row's attention alone; quiet machines measured 0.04-0.3 per row). A start-up measurement that other
+# work disturbed can show rows costing nothing, and the plan then drafted 8 rows for drafts landing 5%.
+MIN_ROW_COST = 0.03
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +118,7 @@ def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curv
     order = np.argsort(-gain, kind="stable")
     tokens = batch + np.cumsum(gain[order])  # (n,) expected tokens with the first n candidates
     streams = np.cumsum(position[order] == 1)  # streams drafting among them
-    times = curve.row_ms(batch, owner.size)
+    times = _floored(curve, batch, owner.size)
     plain_rate = batch / times[0]
     rates = tokens / (times[1:] + overhead_ms * streams)
     best = int(np.argmax(rates))
@@ -129,5 +133,13 @@ def least_paying_acceptance(batch_size: int, *, curve: StepCostCurve, overhead_m
                             min_gain: float = MIN_GAIN) -> float:
     """The acceptance from which one draft of one stream pays in a step of `batch_size` streams (may
     exceed 1: then nothing drafts at this batch size, and probing a paused request cannot pay either)."""
-    plain, one = curve.row_ms(batch_size, 1)
+    plain, one = _floored(curve, batch_size, 1)
     return float((1.0 + min_gain) * batch_size * (one + overhead_ms) / plain - batch_size)
+
+
+def _floored(curve: StepCostCurve, batch_size: int, max_extra: int) -> np.ndarray:
+    """The curve's T(batch_size, n), each extra row at least MIN_ROW_COST of the one-stream plain step."""
+    times = curve.row_ms(batch_size, max_extra)
+    least: np.ndarray = times[0] + MIN_ROW_COST * float(curve.row_ms(1, 0)[0]) * np.arange(max_extra + 1)
+    floored: np.ndarray = np.maximum(times, least)
+    return floored

@@ -148,3 +148,10 @@ def test_the_decoder_pauses_a_request_and_probes_only_where_a_draft_could_pay() 
     fresh = decoding("b", periodic)
     decoder.propose([fresh], batch_size=1)
     assert len(fresh.spec_token_ids) == 4
+
+
+def test_a_disturbed_measurement_that_shows_free_rows_does_not_draft_failing_requests() -> None:
+    # other work stretched the plain step as much as the verifies: every row looks free
+    free = StepCostCurve(batch_sizes=(1, 4), extra_rows=((0, 8), (0, 32)), step_ms=((50.0, 49.0), (60.0, 58.0)))
+    assert plan_drafts([0.05] * 4, [8] * 4, curve=free).draft_lengths == (0,) * 4
+    assert sum(plan_drafts([0.9] * 4, [8] * 4, curve=free).draft_lengths) > 0  # drafts that land still pay
