@@ -433,5 +433,5 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
         model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
                                                                              reason=precision.reason),
-                                         deterministic=config.deterministic)
+                                         deterministic=config.deterministic, compiled=config.compile)
     return model.eval()

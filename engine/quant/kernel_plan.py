@@ -168,10 +168,12 @@ def _measure_activations(*, k: int, n: int) -> ActivationChoice:
 
 
 def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCapability | None = None,
-                 cache_dir: Path | None = None, deterministic: bool = False) -> KernelPlan:
+                 cache_dir: Path | None = None, deterministic: bool = False, compiled: bool = False) -> KernelPlan:
     """Measure (or read from the cache) each projection shape's thresholds, set them on every quantized
     module of `model`, then self-check every module's fast paths on its real weights. `deterministic`
-    (EngineConfig.deterministic) gives the int8-dot kernel to every module it fits, raced or not."""
+    (EngineConfig.deterministic) gives the int8-dot kernel to every module it fits, raced or not.
+    `compiled` (EngineConfig.compile): the step runs through inductor, which cannot lower oneDNN's packed
+    linear inside its graph, so no prompt copy is packed."""
     started = time.perf_counter()
     cpu = cpu or detect_cpu()
     modules = {name: m for name, m in model.named_modules() if isinstance(m, RowPlanned)}
@@ -196,10 +198,10 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
         shapes = {key: replace(p, int8_dot=p.int8_dot or _dot_fits(modules[groups[key][0]])) for key, p in shapes.items()}
     fallbacks: list[str] = []
     # All the prompt copies the plan wants, or none (the memory rule: prompt_weights.py); deterministic
-    # mode's rows all take one other path, so it keeps none.
+    # mode's rows all take one other path, and a compiled step cannot run them, so both keep none.
     wanted = sum(prompt_weights.copy_bytes(modules[n].out_features, modules[n].in_features, activations.dtype)
                  for key, names in groups.items() if shapes[key].prompt_packed for n in names)
-    packing, copy_bytes = not deterministic and wanted <= prompt_weights.COPY_MAX_BYTES, 0
+    packing, copy_bytes = not deterministic and not compiled and wanted <= prompt_weights.COPY_MAX_BYTES, 0
     if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
         fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
         shapes = {key: replace(p, w8a8_from=None) for key, p in shapes.items()}
