@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,14 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+
+from dispatches import caps_in_effect, report, run_child
+
 from decodeservice.engine import Engine, SamplingParams
 from decodeservice.engine.quant import detect_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 MODES = ("default", "deterministic")
 
 
@@ -97,7 +99,7 @@ def measure(*, quantization: str, rounds: int, tokens: int, prompt_tokens: int) 
     plan = engines["deterministic"].model.kernel_plan
     return {
         "cpu": detect_cpu().describe(),
-        "caps": {k: os.environ[k] for k in AVX2_CAPS if k in os.environ},
+        "caps": caps_in_effect(),
         "activations": str(engines["default"].dtype).removeprefix("torch."),
         "kv_cache": str(engines["default"].kv_dtype).removeprefix("torch."),
         "weights": engines["default"].model.weight_format,
@@ -129,17 +131,11 @@ def main() -> None:
     run = {"quantization": args.quantization, "rounds": args.rounds, "tokens": args.tokens,
            "prompt_tokens": args.prompt_tokens}
     if args.child:
-        print("RESULT " + json.dumps(measure(**run)), flush=True)
+        report(measure(**run))
         return
     results: dict[str, Any] = {"command": " ".join(["benchmarks/deterministic_cost.py", *sys.argv[1:]]), **run}
     for dispatch in args.dispatch.split(","):
-        env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {})}
-        child = subprocess.run([sys.executable, "-P", __file__, "--child", *sys.argv[1:]], env=env, cwd=ROOT,
-                               capture_output=True, text=True, check=False)
-        if child.returncode:
-            sys.exit(f"{dispatch}: the child failed:\n{child.stderr[-4000:]}")
-        line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
-        results[dispatch] = json.loads(line.removeprefix("RESULT "))
+        results[dispatch] = run_child(__file__, dispatch, sys.argv[1:], cwd=ROOT)
         print(dispatch, json.dumps({k: results[dispatch][k] for k in ("activations", "kv_cache", "weights", "best",
                                                                       "ratio_deterministic_over_default")}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

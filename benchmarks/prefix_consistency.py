@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,12 +28,15 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+
+from dispatches import caps_in_effect, report, run_child
+
 from decodeservice.engine import Engine, RequestOutput, SamplingParams
 from decodeservice.engine.config import EngineConfig
 from decodeservice.engine.quant import detect_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 HIT_BLOCKS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 QUESTIONS = ("What is this text about?", "Summarise the previous paragraph in one sentence.",
              "Which command does the text mention first?", "Name one number that appears above.",
@@ -86,7 +88,7 @@ def measure(*, prompts: int, tokens: int, quantization: str, block_size: int) ->
         print(json.dumps(rows[-1]), flush=True)
     return {
         "cpu": detect_cpu().describe(),
-        "caps": {k: os.environ[k] for k in AVX2_CAPS if k in os.environ},
+        "caps": caps_in_effect(),
         "activations": str(loaded.dtype).removeprefix("torch."),
         "kv_cache": str(loaded.kv_dtype).removeprefix("torch."),
         "weights": loaded.model.weight_format,
@@ -113,15 +115,11 @@ def main() -> None:
     run = {"prompts": args.prompts, "tokens": args.tokens, "quantization": args.quantization,
            "block_size": args.block_size}
     if args.child:
-        print("RESULT " + json.dumps(measure(**run)), flush=True)
+        report(measure(**run))
         return
     results: dict[str, Any] = {"command": " ".join(["benchmarks/prefix_consistency.py", *sys.argv[1:]]), **run}
     for dispatch in args.dispatch.split(","):
-        env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {})}
-        child = subprocess.run([sys.executable, "-P", __file__, "--child", *sys.argv[1:]], env=env, cwd=ROOT,
-                               capture_output=True, text=True, check=True)
-        line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
-        results[dispatch] = json.loads(line.removeprefix("RESULT "))
+        results[dispatch] = run_child(__file__, dispatch, sys.argv[1:], cwd=ROOT)
         summary = {k: results[dispatch][k] for k in ("activations", "kv_cache", "weights", "max_top5_shift_nat",
                                                      "same_text_share", "bit_identical_share", "seconds")}
         print(dispatch, json.dumps(summary), flush=True)

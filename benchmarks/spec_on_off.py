@@ -27,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,12 +35,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 
+from dispatches import caps_in_effect, report, run_child
 from spec_decode import workload_messages
 
 from decodeservice.bench.dataset import load_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 WORKLOADS = ("mixed", "chat", "open", "input_grounded")
 
 
@@ -174,7 +173,7 @@ def measure(*, rounds: int, max_tokens: int, concurrency: list[int], workloads: 
     assert on.spec.curve is not None
     return {
         "cpu": detect_cpu().describe(),
-        "caps": {k: os.environ[k] for k in AVX2_CAPS if k in os.environ},
+        "caps": caps_in_effect(),
         "activations": str(off.dtype).removeprefix("torch."), "kv_cache": str(off.kv_dtype).removeprefix("torch."),
         "weights": off.model.weight_format, "threads": torch.get_num_threads(),
         "speculative": {"method": spec_cfg.method, "num_tokens": spec_cfg.num_tokens,
@@ -207,16 +206,12 @@ def main() -> None:
            "skip": [x for x in args.skip.split(",") if x]}
     if args.child:
         partial = args.out.with_suffix(f".{'avx2' if 'ATEN_CPU_CAPABILITY' in os.environ else 'native'}.partial.json")
-        print("RESULT " + json.dumps(measure(**run, partial=partial)), flush=True)
+        report(measure(**run, partial=partial))
         return
     results: dict[str, Any] = {"command": " ".join(["benchmarks/spec_on_off.py", *sys.argv[1:]]), **run,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for dispatch in args.dispatch.split(","):
-        env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {})}
-        child = subprocess.run([sys.executable, "-P", __file__, "--child", *sys.argv[1:]], env=env, cwd=ROOT,
-                               stdout=subprocess.PIPE, text=True, check=True)
-        line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
-        results[dispatch] = json.loads(line.removeprefix("RESULT "))
+        results[dispatch] = run_child(__file__, dispatch, sys.argv[1:], cwd=ROOT)
         for name, cell in results[dispatch]["cells"].items():
             print(f"{dispatch} {name}: on/off {cell['output_ratio']} acceptance {cell['acceptance']} "
                   f"drafting {cell['drafting_step_share']} {cell['verdict']}", flush=True)
