@@ -18,10 +18,10 @@ WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY engine engine
 COPY proxy proxy
-COPY serving serving
+COPY common common
 COPY operator operator
 COPY cli cli
-COPY bench bench
+COPY loadgen loadgen
 COPY monitoring monitoring
 COPY router router
 RUN pip install ".[hf]"

@@ -22,8 +22,8 @@ from pathlib import Path
 import kopf
 from kmock import Server, resource
 
+from decodeservice.common.stats import percentile
 from decodeservice.operator.handlers import OperatorConfig, build_registry
-from decodeservice.serving.stats import percentile
 
 # The API emulator is test support, outside the installed packages: this study runs from a checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

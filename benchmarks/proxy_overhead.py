@@ -42,13 +42,13 @@ from typing import Any
 import httpx
 import uvloop
 
-from decodeservice.bench.client import BenchRequest
-from decodeservice.bench.load import LoadLevel, Sender, run_level
-from decodeservice.bench.metrics import RequestRecord
-from decodeservice.bench.procs import ChildServer, decodectl, free_port
+from decodeservice.common.stats import percentile
+from decodeservice.loadgen.client import BenchRequest
+from decodeservice.loadgen.load import LoadLevel, Sender, run_level
+from decodeservice.loadgen.metrics import RequestRecord
+from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 from decodeservice.proxy.streaming import SseMeter
 from decodeservice.proxy.transport import UpstreamTransport
-from decodeservice.serving.stats import percentile
 
 # The fake engine is test support, outside the installed packages: this study runs from a checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from decodeservice.bench.procs import ChildServer, free_port
+from decodeservice.loadgen.procs import ChildServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run with -P from anywhere: the client-side counting lives in tests/

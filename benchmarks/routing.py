@@ -43,8 +43,8 @@ from typing import Any
 
 import httpx
 
-from decodeservice.bench.procs import ChildServer, decodectl, free_port
-from decodeservice.serving.stats import percentile
+from decodeservice.common.stats import percentile
+from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 POLICIES = ("router", "round_robin", "affinity")
 _WORDS = ("cache routing replica prefix token latency queue engine proxy block model request stream "

@@ -28,8 +28,8 @@ from typing import Any
 
 import uvloop
 
-from decodeservice.bench.procs import ChildServer, decodectl, free_port
-from decodeservice.serving.stats import percentile
+from decodeservice.common.stats import percentile
+from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -4,7 +4,7 @@ same engine in-process as the breakdown (what the server costs). JSON out.
     .venv/bin/python -P benchmarks/served_vs_peers.py [--rounds 3] [--lanes engine,in_process,vllm,llama_cpp]
         [--vllm-python PATH --vllm-model HF_DIR] [--llama-server PATH] [--out FILE]
 
-One client for every server (`decodectl bench`'s, bench/client.py): streamed chat, `temperature: 0`,
+One client for every server (`decodectl bench`'s, loadgen/client.py): streamed chat, `temperature: 0`,
 `ignore_eos: true`, a final usage chunk. The workload, per lane and round:
 - one stream at a time (`--singles` requests): TTFT (send to first content chunk) and decode tokens/s
   ((output tokens - 1) / (end - first chunk)); medians over the requests;
@@ -42,9 +42,9 @@ from typing import Any
 
 import httpx
 
-from decodeservice.bench.client import BenchRequest, send
-from decodeservice.bench.metrics import RequestRecord
-from decodeservice.bench.procs import ChildServer, decodectl, free_port
+from decodeservice.loadgen.client import BenchRequest, send
+from decodeservice.loadgen.metrics import RequestRecord
+from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 MODEL = "smollm2-135m"
 ARTICLE = (

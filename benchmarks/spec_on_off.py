@@ -3,7 +3,7 @@
     .venv/bin/python -P benchmarks/spec_on_off.py [--dispatch native,avx2] [--rounds 3] [--max-tokens 48]
         [--concurrency 1,4,16] [--workloads mixed,chat,open,input_grounded] [--out FILE]
 
-Workloads: `mixed` and `chat` are the shipped bench datasets (bench/datasets, the demo's and `decodectl
+Workloads: `mixed` and `chat` are the shipped bench datasets (loadgen/datasets, the demo's and `decodectl
 bench`'s), `open` the open-ended chat questions and `input_grounded` the whole-text edits of
 benchmarks/spec_decode.py. Two engines share one model's weights, one with speculation off and one on.
 Each round sends every (workload, concurrency) cell's requests to both, one after the other, the order
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script'
 from dispatches import caps_in_effect, report, run_child
 from spec_decode import workload_messages
 
-from decodeservice.bench.dataset import load_dataset
+from decodeservice.loadgen.dataset import load_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("mixed", "chat", "open", "input_grounded")

@@ -7,7 +7,7 @@ Examples:
         --slo ttft=1000,itl=100
 
 Metric definitions (TTFT, TPOT, ITL, e2e, goodput) are those of `vllm bench serve`; see
-`decodeservice.bench.metrics` and the generated report.md.
+`decodeservice.loadgen.metrics` and the generated report.md.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from decodeservice.bench import report
-    from decodeservice.bench.dataset import MaxTokens
-    from decodeservice.bench.errors import BenchError
-    from decodeservice.bench.load import LoadLevel, parse_concurrency
-    from decodeservice.bench.metrics import Slo
-    from decodeservice.bench.runner import BenchConfig, run_benchmark
     from decodeservice.cli.common import UsageError
+    from decodeservice.loadgen import report
+    from decodeservice.loadgen.dataset import MaxTokens
+    from decodeservice.loadgen.errors import BenchError
+    from decodeservice.loadgen.load import LoadLevel, parse_concurrency
+    from decodeservice.loadgen.metrics import Slo
+    from decodeservice.loadgen.runner import BenchConfig, run_benchmark
 
     try:
         if args.rate is not None:

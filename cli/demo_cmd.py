@@ -39,9 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from decodeservice.bench.demo import Demo, DemoConfig, side_by_side
-    from decodeservice.bench.errors import BenchConfigError, BenchError
     from decodeservice.cli.common import UsageError
+    from decodeservice.loadgen.demo import Demo, DemoConfig, side_by_side
+    from decodeservice.loadgen.errors import BenchConfigError, BenchError
 
     for flag in ("num_requests", "rounds", "max_tokens"):
         value = getattr(args, flag)

@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--upstream-health-path: {exc}") from None
 
+    from decodeservice.common.lifecycle import Lifecycle, Phase
     from decodeservice.proxy.app import create_app
     from decodeservice.proxy.serve import serve
-    from decodeservice.serving.lifecycle import Lifecycle, Phase
 
     lifecycle = Lifecycle(phase=Phase.READY)
     try:

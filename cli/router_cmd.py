@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # the client's ConfigException: no service account token, no API address
             raise UsageError(f"--service watches EndpointSlices from inside a pod, and this is not one: {exc}") from None
 
+    from decodeservice.common.lifecycle import Lifecycle, Phase
     from decodeservice.proxy.serve import serve
     from decodeservice.router.app import create_app
-    from decodeservice.serving.lifecycle import Lifecycle, Phase
 
     lifecycle = Lifecycle(phase=Phase.READY)
     app = create_app(config, source, lifecycle=lifecycle)

@@ -9,7 +9,7 @@ import enum
 
 from pydantic import Field
 
-from decodeservice.serving.camel_model import CamelModel
+from decodeservice.common.camel_model import CamelModel
 
 
 class Quantization(enum.StrEnum):

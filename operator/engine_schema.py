@@ -184,7 +184,7 @@ def engine_knobs_source() -> str:
              "",
              "The operator's EngineSpec and SpeculativeSpec (operator/spec.py) extend these classes.",
              '"""', "", "from __future__ import annotations", "", "import enum", "",
-             "from pydantic import Field", "", "from decodeservice.serving.camel_model import CamelModel"]
+             "from pydantic import Field", "", "from decodeservice.common.camel_model import CamelModel"]
     for kf in (*engine, *speculative):
         if kf.choices:
             lines += _enum_lines(kf)

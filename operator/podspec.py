@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from decodeservice.serving.camel_model import CamelModel
+from decodeservice.common.camel_model import CamelModel
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

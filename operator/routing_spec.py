@@ -12,10 +12,10 @@ import enum
 
 from pydantic import Field
 
+from decodeservice.common.camel_model import CamelModel
 from decodeservice.operator.errors import InvalidRoutingError
 from decodeservice.operator.podspec import QUANTITY_PATTERN
 from decodeservice.router.config import RouterConfig
-from decodeservice.serving.camel_model import CamelModel
 
 
 class PortRef(CamelModel):

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from decodeservice.common.camel_model import CamelModel
 from decodeservice.engine.loader.architectures import (
     SUPPORTED_GGUF_ARCHITECTURES,
     SUPPORTED_MODEL_TYPES,
@@ -41,7 +42,6 @@ from decodeservice.operator.podspec import (
 from decodeservice.operator.routing_spec import RoutingMode, RoutingSpec, routing_mode
 from decodeservice.proxy.errors import PolicyError
 from decodeservice.proxy.policy import Policy
-from decodeservice.serving.camel_model import CamelModel
 
 GROUP = "decode.dev"
 VERSION = "v1alpha1"
@@ -60,7 +60,7 @@ MODEL_URI_PATTERN = (
 _MODEL_URI = re.compile(MODEL_URI_PATTERN)
 
 
-# The shared camelCase base (decodeservice.serving.camel_model); the short local name keeps this file's
+# The shared camelCase base (decodeservice.common.camel_model); the short local name keeps this file's
 # many class lines, and the branches that add to them, unchanged.
 _Model = CamelModel
 

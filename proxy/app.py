@@ -23,6 +23,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from decodeservice.common.errors import (
+    Draining,
+    OpenAIError,
+    ServiceUnavailable,
+    http_exception_handler,
+)
+from decodeservice.common.lifecycle import Lifecycle, Phase
 from decodeservice.proxy.admission import Admission
 from decodeservice.proxy.batching_window import BatchingWindow
 from decodeservice.proxy.context import SCOPE_KEY, RequestContext, response_status, set_response_status
@@ -38,13 +45,6 @@ from decodeservice.proxy.tenant_rate import TenantRateLimit
 from decodeservice.proxy.tokens import LocalTokenCounter, TokenCounter, UpstreamTokenCounter
 from decodeservice.proxy.upstream import Forwarder, PassThrough, make_client
 from decodeservice.proxy.upstream_health import EngineKind, UpstreamHealth
-from decodeservice.serving.errors import (
-    Draining,
-    OpenAIError,
-    ServiceUnavailable,
-    http_exception_handler,
-)
-from decodeservice.serving.lifecycle import Lifecycle, Phase
 
 log = logging.getLogger(__name__)
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")

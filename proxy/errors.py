@@ -1,4 +1,4 @@
-"""The proxy's own refusals, on top of the shared OpenAI error tree (`decodeservice.serving.errors`).
+"""The proxy's own refusals, on top of the shared OpenAI error tree (`decodeservice.common.errors`).
 
 Components raise an `OpenAIError` (`BadRequest`, `PayloadTooLarge`, or one of these) before answering;
 the app's error boundary renders it and counts it by its `reason`.
@@ -6,7 +6,7 @@ the app's error boundary renders it and counts it by its `reason`.
 
 from __future__ import annotations
 
-from decodeservice.serving.errors import RateLimited, ServerError, ServiceUnavailable
+from decodeservice.common.errors import RateLimited, ServerError, ServiceUnavailable
 
 
 class PolicyError(ValueError):

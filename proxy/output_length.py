@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from decodeservice.common.errors import BadRequest
 from decodeservice.proxy.context import get_context
 from decodeservice.proxy.metrics import ProxyMetrics
 from decodeservice.proxy.policy import LengthMode, OutputLengthPolicy
 from decodeservice.proxy.tokens import TokenCounter, prompt_tokens
-from decodeservice.serving.errors import BadRequest
 
 CLAMPED_HEADER = b"x-decode-clamped"
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")

@@ -43,8 +43,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from decodeservice.common.camel_model import CamelModel
 from decodeservice.proxy.errors import PolicyError
-from decodeservice.serving.camel_model import CamelModel
 
 __all__ = [
     "AdmissionPolicy",
@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 
-# The shared camelCase base (decodeservice.serving.camel_model); the short local name keeps this file's
+# The shared camelCase base (decodeservice.common.camel_model); the short local name keeps this file's
 # many class lines, and the branches that add to them, unchanged.
 _Model = CamelModel
 

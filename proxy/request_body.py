@@ -1,6 +1,6 @@
 """JSON body parser: the outermost policy component of the completion routes.
 
-It enforces `outputLength.maxBodyBytes` with the shared reader (`decodeservice.serving.body`: 413
+It enforces `outputLength.maxBodyBytes` with the shared reader (`decodeservice.common.body`: 413
 before anything reaches the upstream, checked against Content-Length first), parses the JSON object (400 when it is
 not one), reads `x-priority` / `x-tenant`, and puts the `RequestContext` into the scope.
 """
@@ -12,10 +12,10 @@ import time
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from decodeservice.common.body import read_body
+from decodeservice.common.errors import BadRequest
 from decodeservice.proxy.context import RequestContext, set_context
 from decodeservice.proxy.policy import PriorityClass
-from decodeservice.serving.body import read_body
-from decodeservice.serving.errors import BadRequest
 
 PRIORITY_HEADER = "x-priority"
 TENANT_HEADER = "x-tenant"

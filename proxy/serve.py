@@ -1,4 +1,4 @@
-"""Running the proxy on the shared draining uvicorn server (`decodeservice.serving.server`).
+"""Running the proxy on the shared draining uvicorn server (`decodeservice.common.server`).
 
 On SIGTERM the proxy stops admitting (new requests and /ready get 503, so Kubernetes takes the pod out
 of the Service), lets in-flight streams finish (up to `drain_timeout`), then exits 0.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import uvicorn
 from starlette.types import ASGIApp
 
-from decodeservice.serving.lifecycle import Lifecycle
-from decodeservice.serving.server import DrainingServer
+from decodeservice.common.lifecycle import Lifecycle
+from decodeservice.common.server import DrainingServer
 
 
 def serve(

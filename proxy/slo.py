@@ -9,8 +9,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from decodeservice.common.stats import percentile
 from decodeservice.proxy.policy import PriorityClass, SloPolicy
-from decodeservice.serving.stats import percentile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

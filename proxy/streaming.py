@@ -18,7 +18,7 @@ import time
 import httpx
 from starlette.types import Message, Receive, Send
 
-from decodeservice.serving.errors import ServerError
+from decodeservice.common.errors import ServerError
 
 # Connection-level headers are per hop (RFC 9110 7.6.1); the length is the ASGI server's business.
 HOP_BY_HOP = frozenset({

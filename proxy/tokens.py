@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from decodeservice.common.errors import BadRequest
 from decodeservice.proxy.context import RequestContext
 from decodeservice.proxy.errors import UpstreamUnavailable
 from decodeservice.proxy.upstream_health import EngineKind
-from decodeservice.serving.errors import BadRequest
 
 
 class TokenCounter(Protocol):

@@ -23,6 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from decodeservice.common.errors import Draining, ServiceUnavailable, http_exception_handler
+from decodeservice.common.lifecycle import Lifecycle, Phase
 from decodeservice.proxy.app import COMPLETION_PATHS, DrainGate, ErrorBoundary, ProxyApp
 from decodeservice.proxy.request_body import JsonBody
 from decodeservice.proxy.streaming import UpstreamTimeouts, relay
@@ -33,8 +35,6 @@ from decodeservice.router.endpoints import EndpointSource
 from decodeservice.router.fleet import Fleet
 from decodeservice.router.metrics import CONTENT_TYPE, RouterMetrics
 from decodeservice.router.prefix_index import PrefixIndex
-from decodeservice.serving.errors import Draining, ServiceUnavailable, http_exception_handler
-from decodeservice.serving.lifecycle import Lifecycle, Phase
 
 _CONNECTIONS_PER_ENDPOINT = 256
 

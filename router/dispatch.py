@@ -24,6 +24,7 @@ from collections.abc import Callable
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from decodeservice.common.errors import ServiceUnavailable
 from decodeservice.proxy.context import RequestContext, get_context, set_response_status
 from decodeservice.proxy.errors import Overloaded, UpstreamUnavailable
 from decodeservice.proxy.policy import PriorityClass
@@ -35,7 +36,6 @@ from decodeservice.router.fleet import Fleet
 from decodeservice.router.metrics import RouterMetrics
 from decodeservice.router.prompt_keys import PromptKeys, prompt_keys
 from decodeservice.router.scoring import decide, retry_after_seconds, should_shed
-from decodeservice.serving.errors import ServiceUnavailable
 
 # A batch request is shed once the best endpoint is predicted past this share of the objective, an
 # interactive one only past the whole of it: as load rises batch goes first, and what it leaves is the

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from decodeservice.serving.errors import BadRequest
+from decodeservice.common.errors import BadRequest
 
 CHARS_PER_TOKEN = 4  # BPE tokenizers average about four characters of English text a token
 # Completion prompts have no message structure: their conversation key is the chain digest this many

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check engine proxy operator cli bench serving router monitoring tests benchmarks
+.venv/bin/ruff check engine proxy operator cli loadgen common router monitoring tests benchmarks
 .venv/bin/python scripts/typecheck.py
 .venv/bin/python -P -m pytest "$@"
 if [ $# -eq 0 ]; then

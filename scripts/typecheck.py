@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("engine", "proxy", "operator", "cli", "bench", "serving", "monitoring", "router")
+FOLDERS = ("engine", "proxy", "operator", "cli", "loadgen", "common", "monitoring", "router")
 
 
 def main() -> int:

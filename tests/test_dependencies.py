@@ -26,9 +26,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 # Module (or package prefix) -> the extra that declares its imports beyond the core.
 OWNERS = {
-    "decodeservice.bench.report": "bench",  # matplotlib, only in plot()
+    "decodeservice.loadgen.report": "bench",  # matplotlib, only in plot()
     "decodeservice.monitoring.png": "bench",  # matplotlib, only in draw()
-    "decodeservice.bench.kube_emulator": "test",  # kmock: tests and benchmarks only
+    "decodeservice.loadgen.kube_emulator": "test",  # kmock: tests and benchmarks only
     "decodeservice.operator.engines": "hf",  # huggingface_hub, in the init container's download script
 }
 # Core dependencies nobody imports by name, and where they are used (that text must appear there).
@@ -169,7 +169,7 @@ def test_optional_imports_are_lazy_where_the_runtime_reaches_them() -> None:
     eager = [f"{name} imports {dep} at module level" for name in sorted(reached) for dep, top in
              mods[name].imports.items() if top and (dist := distribution(dep)) is not None and dist not in core]
     assert eager == []
-    assert "decodeservice.bench.kube_emulator" not in reached  # the test-only emulator stays out of the runtime
+    assert "decodeservice.loadgen.kube_emulator" not in reached  # the test-only emulator stays out of the runtime
 
 
 def test_the_test_extra_installs_the_other_extras_tests_need() -> None:

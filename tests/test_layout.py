@@ -40,7 +40,7 @@ def test_no_installed_module_imports_the_test_only_kmock() -> None:
 
 def test_the_installed_folders_are_found() -> None:
     names = {p.name for p in _installed_folders()}
-    assert {"engine", "proxy", "operator", "cli", "bench", "serving"} <= names
+    assert {"engine", "proxy", "operator", "cli", "loadgen", "common"} <= names
 
 
 def test_the_image_copies_every_installed_folder() -> None:

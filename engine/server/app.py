@@ -22,6 +22,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from decodeservice.common.body import read_body
+from decodeservice.common.errors import (
+    BadRequest,
+    Draining,
+    NotFound,
+    OpenAIError,
+    ServerError,
+    ServiceUnavailable,
+    http_exception_handler,
+    openai_error_handler,
+)
+from decodeservice.common.lifecycle import Lifecycle, Phase
 from decodeservice.engine.async_engine import AsyncEngine
 from decodeservice.engine.engine import EncodedPrompt, Engine
 from decodeservice.engine.errors import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
@@ -37,18 +49,6 @@ from decodeservice.engine.server.protocol import (
 )
 from decodeservice.engine.server.settings import ServerSettings
 from decodeservice.engine.server.streaming import DONE, EventStreamResponse, sse, text_event_encoder
-from decodeservice.serving.body import read_body
-from decodeservice.serving.errors import (
-    BadRequest,
-    Draining,
-    NotFound,
-    OpenAIError,
-    ServerError,
-    ServiceUnavailable,
-    http_exception_handler,
-    openai_error_handler,
-)
-from decodeservice.serving.lifecycle import Lifecycle, Phase
 
 log = logging.getLogger("decodeservice.engine.server")
 M = TypeVar("M", bound=BaseModel)

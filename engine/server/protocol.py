@@ -1,4 +1,4 @@
-"""OpenAI request models; their errors are `decodeservice.serving.errors` (OpenAI error JSON).
+"""OpenAI request models; their errors are `decodeservice.common.errors` (OpenAI error JSON).
 
 Requests are pydantic models with `extra="forbid"`: a field we do not implement is a 400 naming that
 field, never silently ignored. Fields we accept only at their neutral value (`n=1`, `echo=false`, ...)
@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from decodeservice.common.errors import BadRequest
 from decodeservice.engine.sampling_params import SamplingParams
-from decodeservice.serving.errors import BadRequest
 
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256

@@ -1,4 +1,4 @@
-"""Run the engine's app on the shared draining uvicorn server (`decodeservice.serving.server`).
+"""Run the engine's app on the shared draining uvicorn server (`decodeservice.common.server`).
 
 SIGTERM turns /ready to 503 and refuses new generations, lets in-flight ones finish within
 `drain_timeout_s`, then exits 0; a failed model load stops the server with exit code 1.
@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import uvicorn
 
+from decodeservice.common.server import DrainingServer
 from decodeservice.engine.engine import Engine
 from decodeservice.engine.server.app import ServerState, build_app
 from decodeservice.engine.server.settings import ServerSettings
-from decodeservice.serving.server import DrainingServer
 
 # After the drain (or its grace period), connections still open get this long before being cut.
 SHUTDOWN_GRACE_S = 2

@@ -1,4 +1,4 @@
-"""An in-process API server (`decodeservice.bench.kube_emulator`) and a kopf operator running against it."""
+"""An in-process API server (`decodeservice.loadgen.kube_emulator`) and a kopf operator running against it."""
 
 from __future__ import annotations
 

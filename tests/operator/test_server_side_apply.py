@@ -1,4 +1,4 @@
-"""Server-side apply of the children, against the emulator (bench/kube_emulator.py + bench/server_side_apply.py).
+"""Server-side apply of the children, against the emulator (tests/support/kube_emulator.py + tests/support/server_side_apply.py).
 
 The emulator follows the API server's apply for the fields the operator uses: per-manager field sets in
 managedFields, removal of what a manager applied before and no longer applies, other managers' fields

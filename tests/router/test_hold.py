@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from decodeservice.bench.procs import decodectl, free_port
+from decodeservice.loadgen.procs import decodectl, free_port
 from tests.router.conftest import chat, metric, running_router, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

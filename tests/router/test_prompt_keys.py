@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from decodeservice.common.errors import BadRequest
 from decodeservice.proxy.prefix_isolation import tenant_salt
 from decodeservice.router.prefix_index import EndpointIndex, PrefixIndex
 from decodeservice.router.prompt_keys import CHARS_PER_TOKEN, prompt_keys
-from decodeservice.serving.errors import BadRequest
 
 DOC = "The quick brown fox jumps over the lazy dog. " * 60  # about 680 tokens
 

@@ -23,9 +23,9 @@ from typing import Literal
 
 import httpx
 
-from decodeservice.bench.client import BenchRequest, send
-from decodeservice.bench.errors import BenchConfigError
-from decodeservice.bench.metrics import RequestRecord
+from decodeservice.loadgen.client import BenchRequest, send
+from decodeservice.loadgen.errors import BenchConfigError
+from decodeservice.loadgen.metrics import RequestRecord
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,8 @@ with exactly one of `messages` (sent to /v1/chat/completions) or `prompt` (sent 
 `category` (`interactive` or `batch`) and `output_len` (the answer length this request stands for) are
 optional; other keys (such as `reference`) are kept in the file for readers and ignored here.
 
-The shipped datasets `chat`, `summarize` and `mixed` live in `bench/datasets/` and are written by
-`python -m decodeservice.bench.make_datasets` (deterministic; the files are committed).
+The shipped datasets `chat`, `summarize` and `mixed` live in `loadgen/datasets/` and are written by
+`python -m decodeservice.loadgen.make_datasets` (deterministic; the files are committed).
 
 `--max-tokens` takes one of:
 
@@ -31,8 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from decodeservice.bench.client import BenchRequest
-from decodeservice.bench.errors import BenchConfigError
+from decodeservice.loadgen.client import BenchRequest
+from decodeservice.loadgen.errors import BenchConfigError
 
 DATASET_DIR = Path(__file__).resolve().parent / "datasets"
 SHIPPED = ("chat", "summarize", "mixed")

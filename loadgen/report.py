@@ -16,8 +16,8 @@ from typing import Any
 
 from rich.table import Table
 
-from decodeservice.bench import metrics
-from decodeservice.bench.metrics import Distribution, LevelSummary
+from decodeservice.loadgen import metrics
+from decodeservice.loadgen.metrics import Distribution, LevelSummary
 
 CLOCKS = ("ttft", "tpot", "itl", "e2e")
 

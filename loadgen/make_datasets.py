@@ -1,4 +1,4 @@
-"""Write the shipped datasets: `python -m decodeservice.bench.make_datasets [--out DIR]`.
+"""Write the shipped datasets: `python -m decodeservice.loadgen.make_datasets [--out DIR]`.
 
 Deterministic (fixed seeds, no clock, no network): running it again rewrites identical files.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from decodeservice.bench.dataset import DATASET_DIR
+from decodeservice.loadgen.dataset import DATASET_DIR
 
 SYSTEM = "You are a helpful, concise assistant."
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from decodeservice.bench import make_datasets
-from decodeservice.bench.dataset import DATASET_DIR, MaxTokens, load_dataset, plan_requests
-from decodeservice.bench.errors import BenchConfigError
+from decodeservice.loadgen import make_datasets
+from decodeservice.loadgen.dataset import DATASET_DIR, MaxTokens, load_dataset, plan_requests
+from decodeservice.loadgen.errors import BenchConfigError
 
 
 def test_generator_reproduces_the_committed_files(tmp_path: Path) -> None:

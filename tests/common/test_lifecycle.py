@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from decodeservice.serving.lifecycle import Lifecycle, Phase
+from decodeservice.common.lifecycle import Lifecycle, Phase
 
 
 async def test_engine_path_loading_ready_draining() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from decodeservice.serving.errors import (
+from decodeservice.common.errors import (
     BadRequest,
     Draining,
     NotFound,

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from decodeservice.bench.errors import ServerError
-from decodeservice.bench.metrics import RequestRecord
+from decodeservice.loadgen.errors import ServerError
+from decodeservice.loadgen.metrics import RequestRecord
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from decodeservice.serving.lifecycle import Lifecycle
+from decodeservice.common.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 

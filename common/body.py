@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from starlette.types import Receive
 
-from decodeservice.serving.errors import BadRequest, PayloadTooLarge
+from decodeservice.common.errors import BadRequest, PayloadTooLarge
 
 
 def too_large(limit: int) -> PayloadTooLarge:

@@ -9,12 +9,12 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from decodeservice.bench.client import base_url, list_models
-from decodeservice.bench.dataset import MaxTokens, load_dataset, plan_requests
-from decodeservice.bench.errors import BenchConfigError, ServerError
-from decodeservice.bench.load import LoadLevel, run_level
-from decodeservice.bench.metrics import LevelSummary, RequestRecord, Slo, summarize
-from decodeservice.bench.report import BenchReport
+from decodeservice.loadgen.client import base_url, list_models
+from decodeservice.loadgen.dataset import MaxTokens, load_dataset, plan_requests
+from decodeservice.loadgen.errors import BenchConfigError, ServerError
+from decodeservice.loadgen.load import LoadLevel, run_level
+from decodeservice.loadgen.metrics import LevelSummary, RequestRecord, Slo, summarize
+from decodeservice.loadgen.report import BenchReport
 
 PREFIX_CACHE_WARNING = (
     "{n} of {total} requests repeat a prompt already sent in this run: a server with prefix caching "

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from decodeservice.bench import report
-from decodeservice.bench.metrics import RequestRecord, Slo, summarize
+from decodeservice.loadgen import report
+from decodeservice.loadgen.metrics import RequestRecord, Slo, summarize
 
 
 def level(label: str, gap: float, *, failed: int = 0) -> report.LevelSummary:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from decodeservice.bench.client import BenchRequest
-from decodeservice.bench.load import LoadLevel, run_level
-from decodeservice.bench.metrics import summarize
+from decodeservice.loadgen.client import BenchRequest
+from decodeservice.loadgen.load import LoadLevel, run_level
+from decodeservice.loadgen.metrics import summarize
 
 # TTFT is long next to loopback overhead (20-40 ms on a 2-core machine at load 10), so 10% is a fair bound.
 TTFT, ITL, TOKENS = 0.8, 0.05, 10

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from decodeservice.bench.client import BenchRequest
-from decodeservice.bench.errors import BenchConfigError
-from decodeservice.bench.load import LoadLevel, parse_concurrency, poisson_schedule, run_level
+from decodeservice.loadgen.client import BenchRequest
+from decodeservice.loadgen.errors import BenchConfigError
+from decodeservice.loadgen.load import LoadLevel, parse_concurrency, poisson_schedule, run_level
 
 
 def test_poisson_schedule_is_seeded_and_reproducible() -> None:

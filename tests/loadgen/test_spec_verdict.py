@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decodeservice.bench.metrics import RequestRecord, summarize
-from decodeservice.bench.spec_verdict import Comparison, SpecActivity, pooled
+from decodeservice.loadgen.metrics import RequestRecord, summarize
+from decodeservice.loadgen.spec_verdict import Comparison, SpecActivity, pooled
 
 
 @pytest.mark.parametrize(("ratios", "word", "sure"), [

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodeservice.serving.stats import percentile
+from decodeservice.common.stats import percentile
 
 
 def test_interpolates_between_ranks() -> None:

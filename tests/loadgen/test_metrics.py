@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from decodeservice.bench.errors import BenchConfigError
-from decodeservice.bench.metrics import RequestRecord, Slo, goodput, summarize
+from decodeservice.loadgen.errors import BenchConfigError
+from decodeservice.loadgen.metrics import RequestRecord, Slo, goodput, summarize
 
 
 def record(ttft: float, gaps: list[float], *, tail: float = 0.0, tokens: int | None = None,

@@ -27,15 +27,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from decodeservice.bench import report
-from decodeservice.bench.dataset import MaxTokens, load_dataset, plan_requests
-from decodeservice.bench.errors import BenchConfigError, DemoError
-from decodeservice.bench.load import LoadLevel, run_level
-from decodeservice.bench.metrics import LevelSummary, RequestRecord, Slo, summarize
-from decodeservice.bench.procs import ChildServer, decodectl, free_port
-from decodeservice.bench.report import BenchReport
-from decodeservice.bench.runner import resolve_model
-from decodeservice.bench.spec_verdict import Comparison, SpecActivity, pooled
+from decodeservice.loadgen import report
+from decodeservice.loadgen.dataset import MaxTokens, load_dataset, plan_requests
+from decodeservice.loadgen.errors import BenchConfigError, DemoError
+from decodeservice.loadgen.load import LoadLevel, run_level
+from decodeservice.loadgen.metrics import LevelSummary, RequestRecord, Slo, summarize
+from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
+from decodeservice.loadgen.report import BenchReport
+from decodeservice.loadgen.runner import resolve_model
+from decodeservice.loadgen.spec_verdict import Comparison, SpecActivity, pooled
 from decodeservice.monitoring.demo_view import DemoView
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from starlette.types import Message
 
-from decodeservice.serving.body import read_body
-from decodeservice.serving.errors import BadRequest, PayloadTooLarge
+from decodeservice.common.body import read_body
+from decodeservice.common.errors import BadRequest, PayloadTooLarge
 
 
 class Upload:

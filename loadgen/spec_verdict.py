@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from decodeservice.bench.metrics import LevelSummary, RequestRecord, Slo, summarize
+from decodeservice.loadgen.metrics import LevelSummary, RequestRecord, Slo, summarize
 
 # A median ratio within this of 1.0 reads as "the same": the demo's rounds are short, and a shared
 # laptop's other work moves a round by a few percent.

@@ -19,7 +19,7 @@ Definitions (every time is measured on the client, with a monotonic clock):
 - **Goodput**: the share of *all* requests (failures count as misses) that meet every given SLO, and the
   same count divided by the wall time (req/s). Per request: `ttft` compares its TTFT; `itl` its mean
   inter-chunk gap; `tpot` its TPOT; `e2e` its end-to-end latency. Each bound is inclusive.
-- **Percentiles**: `decodeservice.serving.stats.percentile`, linear interpolation between the closest
+- **Percentiles**: `decodeservice.common.stats.percentile`, linear interpolation between the closest
   ranks (numpy's default, as vLLM computes them).
 """
 
@@ -29,8 +29,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from decodeservice.bench.errors import BenchConfigError
-from decodeservice.serving.stats import percentile
+from decodeservice.common.stats import percentile
+from decodeservice.loadgen.errors import BenchConfigError
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")

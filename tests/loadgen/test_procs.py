@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from decodeservice.bench.demo import SpecCounters, parse_spec_counters
-from decodeservice.bench.errors import DemoError
-from decodeservice.bench.procs import ChildServer, free_port
+from decodeservice.loadgen.demo import SpecCounters, parse_spec_counters
+from decodeservice.loadgen.errors import DemoError
+from decodeservice.loadgen.procs import ChildServer, free_port
 
 
 def alive(pid: int) -> bool:

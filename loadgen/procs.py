@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from decodeservice.bench.errors import DemoError
+from decodeservice.loadgen.errors import DemoError
 
 
 def free_port() -> int:
