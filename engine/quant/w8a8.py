@@ -4,11 +4,10 @@ output channel), accumulated exactly in int32 by `torch._int_mm` (oneDNN, VNNI w
     out[m, n] = (sum_k xq[m, k] * wq[n, k]) * row_scale[m] * col_scale[n]
 
 Why: the weight-only kernels dequantize weights per block of rows, so their cost grows linearly with
-rows from ~4 on: at 32 rows `_weight_int4pack_mm_for_cpu` spends ~0.7 of a decode step, the head alone
-31 ms (1 thread, bundled SmolLM2-135M). An int8 x int8 GEMM pays no dequantization: the head at 32 rows
-takes ~9.7 ms, gate_up 0.40 ms against 1.33 (benchmarks/decode_step.py, `projection_rows`, has them all).
-It even beats the dense bf16 GEMM on a dequantized weight at prompt-chunk sizes (gate_up 512 rows: 5.9
-vs 9.1 ms, before the 2.9 ms dequantization), so prompt chunks take it too where it is on.
+rows, and at a 32-stream batch torch's int4 kernel takes most of a decode step. An int8 x int8 GEMM pays
+no dequantization, and at prompt-chunk sizes it also beats the dense GEMM on a weight dequantized per
+call, so prompt chunks take it too where it is on. The figures: benchmarks/decode_step.py
+(`projection_rows`) and benchmarks/route_audit.py (`w8a8_int4`, `int8_w8a8`).
 
 Exactness: the int32 sum is exact (K * 127 * 127 < 2**31 for K < 133k), so a row's result depends only
 on that row, never on the batch it is in. What the batch changes is which path a row takes: below
