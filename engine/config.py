@@ -276,16 +276,15 @@ class EngineConfig:
     # int8/int4 weights (CPU): projection calls of W8A8_ROWS (6) rows or more, i.e. decode batches of 6+
     # streams, prompt chunks and long verifies, run int8 activations x int8 weights (engine/quant/w8a8.py).
     # int8 weights use their own codes: no memory. int4 weights keep an int8 copy of every projection
-    # and the head: +1 byte a weight, +129 MiB for SmolLM2-135M (its 4-bit projections and head: 80 MiB).
-    # With the int8-dot kernel (int8 activations against the 4-bit codes) it no longer speeds up the
-    # bundled int4 model's 32 streams natively (benchmarks/engine_vs_peers.py, variant engine_int4_w8a8:
-    # benchmarks/results/engine_vs_peers_cpu1_native_vs_llama_cpp.json).
+    # and the head: +1 byte a weight, twice its 4-bit codes. With the int8-dot kernel (int8 activations
+    # against the 4-bit codes) it no longer speeds up the bundled int4 model's 32 streams natively
+    # (benchmarks/engine_vs_peers.py, variant engine_int4_w8a8).
     # Off by default, for what it costs besides memory: (1) a stream's tokens then depend on its batch
     # (1 row: the weight-only kernel, 6+: int8 activations; tests/engine/quant/test_w8a8.py), so
     # speculative decoding is no longer exact against plain decoding (a verify of 6+ rows rounds as a
     # batch); (2) int8 weights fall under the 0.9 greedy agreement with fp32 that the weight-only path
     # keeps (tests/engine/test_quantized.py);
-    # (3) at int4 the copy grows with the model (+8 GiB for an 8B model), which a pod sized for its 4-bit
+    # (3) at int4 the copy grows with the model (a byte a weight), which a pod sized for its 4-bit
     # weights would not have. Throughput-bound deployments that accept int8 activations (llama.cpp
     # quantizes its activations to 8 bits on every step) turn it on: `decodectl engine --w8a8`.
     w8a8: bool = knob(
