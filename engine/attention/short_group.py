@@ -1,11 +1,10 @@
 """Many short sequences in one padded SDPA call: the one place the CPU backend copies blocks.
 
-A Python-level call per sequence and layer costs about 40 us on this CPU, the price of one kernel
-launch and its views (benchmarks/long_context.py's `attention_per_layer_call`); copying a short
+A Python-level call per sequence and layer pays a kernel launch and its views, and copying a short
 sequence's keys costs less than that. So sequences with short queries (decode, verify) and short
-contexts go together: their blocks are gathered into one padded (B, L) batch with an additive mask,
-as the engine did for every sequence before. A context of `MAX_CONTEXT` tokens is about 10 us of
-copying per layer, well under the per-call cost it saves; longer sequences are read in place.
+contexts go together: their blocks are gathered into one padded (B, L) batch with an additive mask.
+Up to `MAX_CONTEXT` tokens the copy stays under the per-call cost it saves; longer sequences are read
+in place. benchmarks/route_audit.py times the group against a call per sequence (`short_group_*`).
 """
 
 from __future__ import annotations
