@@ -48,9 +48,9 @@ def attend_matmul(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, r
     t, h, d = q.shape
     hkv = k_flat.shape[1]
     g = h // hkv
-    # oneDNN builds (JIT-compiles) a GEMM for every new shape, ~0.3 ms each: were the key count exact,
-    # every decode step would pay that for each GEMM, as a context grows by one key per step. So the
-    # last run is read to the end of its last block, slots the sequence owns, and the padding masked:
+    # oneDNN builds (JIT-compiles) a GEMM for every new shape, at a cost above a decode's GEMMs: were the
+    # key count exact, every decode step would pay that for each GEMM, as a context grows by one key per
+    # step. So the last run is read to the end of its last block, slots the sequence owns, and the padding masked:
     # its probabilities are exactly 0. (Stale slots hold finite values: the pool starts zeroed and
     # receives only K/V the model computed.)
     last = runs[-1]
