@@ -13,8 +13,8 @@ The layout is not the model's chat template, so the estimate is off by the templ
 message; the approximation is documented in docs/routing.md.
 
 Block keys are Python's own `hash()` of (parent key, block bytes): SipHash under a key drawn at
-random per process, so a tenant cannot craft a prompt that collides with another's, and about 0.3 us a
-block where a BLAKE2b chain took ten times as long (this runs for every block of every request).
+random per process, so a tenant cannot craft a prompt that collides with another's, and cheaper than
+a BLAKE2b chain (this runs for every block of every request).
 Unlike the engine's SHA-256 keys they guard no K/V, only a routing guess, and they only ever meet keys
 of the same process (each router keeps its own index). The conversation key is the one that must be
 the same in every router replica, so it is a BLAKE2b digest.
