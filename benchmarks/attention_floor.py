@@ -25,7 +25,6 @@ model's shapes (30 layers, 9 query heads, 3 K/V heads, D 64, bf16 K/V as the int
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,6 +36,9 @@ import torch
 
 from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
 from decodeservice.engine.attention.paged_views import attend_span
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 30, 9, 3, 64, 576, 1536
 DTYPE = torch.bfloat16
@@ -183,10 +185,7 @@ def main() -> int:
     result["decode"] = decode
     result["prefill"] = prefill_bound(contexts, args.repeats)
     result["load_average_1min_at_end"] = os.getloadavg()[0]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

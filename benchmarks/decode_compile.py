@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,9 @@ from typing import Any
 import torch
 
 from decodeservice.engine import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 
 def step_times(engine: Engine, streams: int, rounds: int, steps: int = 6) -> dict[str, Any]:
@@ -110,10 +112,7 @@ def main() -> int:
         report["batches"][f"streams_{streams}"] = step_times(engine, streams, args.rounds)
         print(f"streams {streams}: {report['batches'][f'streams_{streams}']}", file=sys.stderr)
     report["single_stream_end_to_end"] = end_to_end(engine, rounds=6)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     return 0
 
 

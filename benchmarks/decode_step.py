@@ -26,13 +26,15 @@ kernels are made from generated C++ the profiler does not see op by op, so they 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 MATMUL_OPS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "_int_mm", "mkldnn", "aten::mm", "aten::addmm",
               "aten::linear")
@@ -218,10 +220,7 @@ def main() -> int:
     report["verify_row_cost"] = verify_row_cost(engine, prompt)
     if engine.model.weight_format == "int4" and not args.compile:
         report["projection_rows"] = {f"{threads[0]}_threads": projection_rows(engine.model)}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     return 0
 
 

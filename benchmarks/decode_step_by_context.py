@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ from decodeservice.engine.attention import native_decode
 from decodeservice.engine.quant import detect_cpu
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 from long_context import document_tokens
 
 spent: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -107,10 +107,7 @@ def main() -> int:
         "growth_ms": {part: long.get(part, 0.0) - short.get(part, 0.0) for part in long},
         "decode_long_vs_short": short["step"] / long["step"],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
@@ -370,10 +371,7 @@ def main() -> int:
     if args.rounds > 1:
         by_round = [ratios(r, args.streams) for r in per_round]
         report["ratios_by_round"] = {key: [r[key] for r in by_round] for key in by_round[0] if by_round[0][key] is not None}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     return 0
 
 

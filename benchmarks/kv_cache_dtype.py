@@ -17,7 +17,6 @@ holds. One run on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ from decodeservice.engine.quant import detect_cpu
 from decodeservice.engine.runner import kv_bytes_per_block
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 from long_context import document_tokens, engine_clocks
 
 KINDS = ("activations", "int8")
@@ -106,10 +106,7 @@ def main() -> int:
     result["decode_long_vs_short_per_round"] = paired
     result["decode_long_vs_short_median_of_rounds"] = {kind: statistics.median(r) for kind, r in paired.items()}
     result["load_average_1min_at_end"] = os.getloadavg()[0]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

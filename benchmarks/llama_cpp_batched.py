@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 
 def aggregate_tokens_per_s(model_path: Path, prompts: list[str], *, decode_tokens: int, threads: int) -> dict[str, Any]:
@@ -129,10 +131,7 @@ def main() -> int:
     path = ensure_model("smollm2-135m", progress=False)
     prompts = [f"{i}: {args.prompt}" for i in range(args.streams)]
     result = aggregate_tokens_per_s(path, prompts, decode_tokens=args.decode_tokens, threads=args.threads)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

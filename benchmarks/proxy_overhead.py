@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import gc
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -53,6 +52,9 @@ from decodeservice.proxy.transport import UpstreamTransport
 # The fake engine is test support, outside the installed packages: this study runs from a checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.support.fake_engine import FakeEngine, serve_loopback
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -334,10 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or args.tokens < 1 or args.rounds < 1:
         parser.error("--concurrency, --tokens and --rounds must be >= 1")
     report = sweep(args) if args.engine_url else overhead(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     return 0
 
 
