@@ -14,9 +14,9 @@ reorder freely around it.
 Shapes: one graph for one row (a single stream), one with a symbolic row count for 2..MAX_ROWS rows;
 a branch on the row count inside a projection (W8A8 from W8A8_ROWS rows) splits the latter in two.
 Prompt chunks (more rows) run eager: their time is in large GEMMs, where fusion saves nothing. The
-runner compiles every graph at start-up (runner._warm_up). Cold, on 2 cores, for the bundled model:
-~65 s for the one-row graph, ~100 s for a batch graph (the generated C++ of 30 unrolled layers is what
-takes the time); from inductor's on-disk cache ~6 s.
+runner compiles every graph at start-up (runner._warm_up): cold, minutes on 2 cores for the bundled
+model (the generated C++ of 30 unrolled layers is what takes the time), seconds from inductor's on-disk
+cache (benchmarks/decode_compile.py records the compile time).
 
 Numerics: inductor emulates eager's bf16 roundings (emulate_precision_casts), so the compiled step's
 logits equal eager's bit for bit (tests/engine/test_compiled_step.py), and speculation stays exact.

@@ -255,7 +255,7 @@ class EngineConfig:
     max_num_seqs: int = knob(64, help="most sequences decoded together in one batch", flag="--max-num-seqs",
                              crd="maxNumSeqs", minimum=1, crd_default=False)
     # Per-step token budget. Small enough that a long prompt, prefilled in chunks of this size, stalls
-    # the running decodes for one short step at a time (about 0.5 s on 2 CPU cores).
+    # the running decodes for one short step at a time (a chunk's step: benchmarks/served_vs_peers.py's TTFT).
     max_num_batched_tokens: int = knob(512, help="tokens per step, prompt chunks included",
                                        flag="--max-num-batched-tokens", minimum=1)
     max_model_len: int | None = knob(None, help="context length; unset: the model's", flag="--max-model-len",
