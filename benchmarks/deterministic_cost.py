@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 
-from dispatches import caps_in_effect, report, run_child
+from dispatches import caps_in_effect, run_study
 
 from decodeservice.engine import Engine, SamplingParams
 from decodeservice.engine.quant import detect_cpu
@@ -130,17 +130,8 @@ def main() -> None:
     args = parser.parse_args()
     run = {"quantization": args.quantization, "rounds": args.rounds, "tokens": args.tokens,
            "prompt_tokens": args.prompt_tokens}
-    if args.child:
-        report(measure(**run))
-        return
-    results: dict[str, Any] = {"command": " ".join(["benchmarks/deterministic_cost.py", *sys.argv[1:]]), **run}
-    for dispatch in args.dispatch.split(","):
-        results[dispatch] = run_child(__file__, dispatch, sys.argv[1:], cwd=ROOT)
-        print(dispatch, json.dumps({k: results[dispatch][k] for k in ("activations", "kv_cache", "weights", "best",
-                                                                      "ratio_deterministic_over_default")}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    run_study(__file__, dispatches=args.dispatch, child=args.child, run=run, measure=measure, out=args.out,
+              shown=("activations", "kv_cache", "weights", "best", "ratio_deterministic_over_default"))
 
 
 if __name__ == "__main__":

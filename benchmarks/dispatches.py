@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +33,20 @@ def run_child(script: str, dispatch: str, argv: list[str], *, cwd: Path) -> dict
         sys.exit(f"{dispatch}: the child failed (exit {child.returncode}; its stderr is above)")
     line = next(x for x in child.stdout.splitlines() if x.startswith(RESULT))
     return dict(json.loads(line.removeprefix(RESULT)))
+
+
+def run_study(script: str, *, dispatches: str, child: bool, run: dict[str, Any],
+              measure: Callable[..., dict[str, Any]], shown: tuple[str, ...], out: Path) -> None:
+    """A study per dispatch in one call. In the child (`child`): `measure(**run)`, handed to the parent. In the
+    parent: a child per dispatch, each one's `shown` figures printed as it ends, then every result with the
+    command and `run` written to `out`."""
+    if child:
+        report(measure(**run))
+        return
+    results: dict[str, Any] = {"command": " ".join([f"benchmarks/{Path(script).name}", *sys.argv[1:]]), **run}
+    for dispatch in dispatches.split(","):
+        results[dispatch] = run_child(script, dispatch, sys.argv[1:], cwd=Path(script).resolve().parent.parent)
+        print(dispatch, json.dumps({k: results[dispatch][k] for k in shown}), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 
-from dispatches import caps_in_effect, report, run_child
+from dispatches import caps_in_effect, run_study
 
 from decodeservice.engine import Engine, RequestOutput, SamplingParams
 from decodeservice.engine.config import EngineConfig
@@ -114,18 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     run = {"prompts": args.prompts, "tokens": args.tokens, "quantization": args.quantization,
            "block_size": args.block_size}
-    if args.child:
-        report(measure(**run))
-        return
-    results: dict[str, Any] = {"command": " ".join(["benchmarks/prefix_consistency.py", *sys.argv[1:]]), **run}
-    for dispatch in args.dispatch.split(","):
-        results[dispatch] = run_child(__file__, dispatch, sys.argv[1:], cwd=ROOT)
-        summary = {k: results[dispatch][k] for k in ("activations", "kv_cache", "weights", "max_top5_shift_nat",
-                                                     "same_text_share", "bit_identical_share", "seconds")}
-        print(dispatch, json.dumps(summary), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    run_study(__file__, dispatches=args.dispatch, child=args.child, run=run, measure=measure, out=args.out,
+              shown=("activations", "kv_cache", "weights", "max_top5_shift_nat", "same_text_share",
+                     "bit_identical_share", "seconds"))
 
 
 if __name__ == "__main__":
