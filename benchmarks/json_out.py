@@ -11,4 +11,5 @@ def emit(result: dict[str, Any], out: Path | None, *, indent: int = 2) -> None:
     text = json.dumps(result, indent=indent)
     print(text)
     if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")

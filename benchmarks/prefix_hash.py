@@ -10,15 +10,18 @@ are computed once when it is admitted (lookup) and once as its blocks fill (publ
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from decodeservice.engine.kv_cache import chain_hash, root_hash
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 
 def _old_chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
@@ -69,11 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sha256_over_python_hash": statistics.median(sha) / statistics.median(old),
         "sha256_us_per_4k_prompt": statistics.median(sha) * 4096 / 1000,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

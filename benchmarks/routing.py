@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import random
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,9 @@ import httpx
 
 from decodeservice.common.stats import percentile
 from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 POLICIES = ("router", "round_robin", "affinity")
 _WORDS = ("cache routing replica prefix token latency queue engine proxy block model request stream "
@@ -308,13 +312,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--note", default="", help="free text about the machine's state, stored in the JSON")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     result = asyncio.run(amain(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 
