@@ -3,12 +3,16 @@
 The decoder owns speculation: the drafts, their distributions, every request's draft length and the
 rollback of rejected positions. The engine calls, every step:
 1. `propose(running, batch_size=...)` before scheduling: decode-phase sequences get drafts in
-   `seq.spec_token_ids`. How many is the step's plan (policy.py): each request's recent acceptance
-   against the step time this batch size takes with that many more rows (measured at start-up,
-   cost.py) plus what drafting costs outside the forward (measured as it runs). A request whose drafts
-   do not pay pauses, then probes with one draft where one could pay at this batch size. Nobody drafts
-   when the batch is at least `disable_batch_size`. The scheduler may then drop a sequence's drafts (no
-   budget or no blocks for them): `ScheduledSequence.num_spec_tokens` says how many run;
+   `seq.spec_token_ids`. How many is the step's plan (policy.py): each request's acceptance (a Beta
+   posterior over its own checked drafts under a pessimistic prior, evidence.py) against the step time
+   this batch size takes with that many more rows (measured at start-up, cost.py, and corrected by what
+   drafting steps took since, step_clock.py) plus what drafting costs outside the forward (measured as
+   it runs). A request starts drafting where its acceptance clears the plan's margin and stops where it
+   no longer breaks even, or where its verifications gained less than they cost. A watched request is
+   checked now and then with a shadow draft (n-gram: free to ask, never verified) or, for a draft model,
+   a one-draft probe where a draft could pay at this batch size. Nobody drafts when the batch is at
+   least `disable_batch_size`. The scheduler may then drop a sequence's drafts (no budget or no blocks
+   for them): `ScheduledSequence.num_spec_tokens` says how many run;
 2. the target scores the last token plus every draft in one forward;
 3. `settle(item, rows, kv=...)` per speculating sequence: the accepted drafts plus one more token
    (`verify`); the rejected positions leave the target's blocks and the proposer's state, and the
@@ -20,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -32,10 +37,20 @@ from decodeservice.engine.outputs import SpecDecodeStats
 from decodeservice.engine.sampler import target_probs
 from decodeservice.engine.scheduler import ScheduledSequence
 from decodeservice.engine.sequence import Sequence
+from decodeservice.engine.spec_decode.evidence import (
+    MIN_REALIZED_EVIDENCE,
+    DecoderCounters,
+    DraftingState,
+    Workload,
+)
 from decodeservice.engine.spec_decode.policy import (
+    MIN_GAIN,
     StepCostCurve,
+    draft_rows_ms,
     least_paying_acceptance,
     plan_drafts,
+    request_prior,
+    verify_cost_units,
 )
 from decodeservice.engine.spec_decode.proposers import (
     DraftModelProposer,
@@ -43,58 +58,23 @@ from decodeservice.engine.spec_decode.proposers import (
     NgramProposer,
     Proposer,
 )
+from decodeservice.engine.spec_decode.step_clock import StepClock
 from decodeservice.engine.spec_decode.verify import greedy_accept, rejection_sample, sample_and_match
 
 # (draft_ids (k,), p (k+1, V), q (k, V) or None, generator) -> accepted drafts + one token
 SampledVerifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator | None], list[int]]
 
 
-MAX_COOLDOWN = 64  # the longest pause, in steps, before a request whose drafts fail probes again
-ACCEPTANCE_DECAY = 0.7  # weight of the past in a request's acceptance estimate, per verification
-# A new request starts from the engine's recent acceptance over all requests (a memory of about
-# 1 / (1 - decay) = 50 verifications), weighted as one rejection's worth of evidence. That estimate
-# itself starts at 2/3, so before anything was verified a request drafts a few tokens and learns. On chat
-# traffic, whose drafts seldom land, a short answer no longer opens with several long losing
-# verifications; one landed draft is enough to lengthen k again.
-WORKLOAD_DECAY = 0.98
-MAX_PRIOR_ACCEPTANCE = 0.9
-PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0  # as one rejection's worth: acceptance 2/3
-# A paused request probes only where a draft landing this often would pay at the batch size: where
-# none could, learning its acceptance changes nothing and the probe row is a loss.
-PROBE_ACCEPTANCE = MAX_PRIOR_ACCEPTANCE
+# A watched request whose proposer is not free to ask (a draft model) probes with one real draft only
+# where a draft landing this often would pay at the batch size: where none could, learning its
+# acceptance changes nothing and the probe row is a loss.
+PROBE_ACCEPTANCE = 0.9
 OVERHEAD_DECAY = 0.9  # weight of the past in the measured cost of drafting outside the forward
 
 
 def default_self_draft_layers(num_layers: int) -> int:
     # A quarter of the target: drafting k tokens then costs about k/4 target steps.
     return max(1, num_layers // 4)
-
-
-@dataclass(kw_only=True)
-class DraftingState:
-    """What the decoder remembers about one request's drafts."""
-
-    hits: float = PRIOR_HITS  # decayed count of accepted drafts
-    misses: float = PRIOR_MISSES  # decayed count of rejections
-    cooldown: int = 0  # steps left without drafting
-    pauses: int = 0  # pauses in a row; the next one lasts 2**pauses steps
-    probe_due: bool = False  # the pause just ended: draft one token even if the estimate says no
-
-    @property
-    def acceptance(self) -> float:
-        return self.hits / (self.hits + self.misses)
-
-    def record(self, *, proposed: int, accepted: int, decay: float = ACCEPTANCE_DECAY) -> None:
-        self.hits = decay * self.hits + accepted
-        self.misses = decay * self.misses + (1 if accepted < proposed else 0)
-        if accepted:
-            self.pauses = 0
-
-    @classmethod
-    def starting_from(cls, workload: DraftingState) -> DraftingState:
-        """A new request's state: the workload's acceptance, as one rejection's worth of evidence."""
-        acceptance = min(workload.acceptance, MAX_PRIOR_ACCEPTANCE)
-        return cls(hits=acceptance / (1.0 - acceptance), misses=1.0)
 
 
 class SpeculativeDecoder:
@@ -120,7 +100,10 @@ class SpeculativeDecoder:
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q of the drafts in flight
         self._tracked: dict[str, Sequence] = {}  # sequences the proposer may hold state for
         self._states: dict[str, DraftingState] = {}
-        self._workload = DraftingState()  # every request's verifications, decayed by WORKLOAD_DECAY
+        self._workload = Workload()  # every request's checked drafts: new requests' prior
+        self.clock = StepClock()  # what steps took, per batch size: corrects the curve's extra cost
+        self.counters = DecoderCounters()
+        self._step_batch = 0  # the batch size of the step in flight (propose to settle)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -162,10 +145,11 @@ class SpeculativeDecoder:
 
     def break_even_acceptance(self, batch_size: int) -> float | None:
         """The acceptance at which one draft at `batch_size` streams gains what it costs (None: every draft
-        pays); the plan also asks a step's drafts for MIN_GAIN over plain decoding."""
+        pays), with the step costs as corrected by what steps took; starting to draft takes MIN_GAIN more."""
         if self.curve is None:
             return None
-        return least_paying_acceptance(batch_size, curve=self.curve, overhead_ms=self._overhead(), min_gain=0.0)
+        return least_paying_acceptance(batch_size, curve=self.curve, overhead_ms=self._overhead(), min_gain=0.0,
+                                       cost_scale=self._cost_scale(batch_size))
 
     def batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes the step times were measured at, below the off switch."""
@@ -174,71 +158,131 @@ class SpeculativeDecoder:
 
     # -- drafting ----------------------------------------------------------------------------------
     def propose(self, running: list[Sequence], *, batch_size: int) -> None:
+        start = time.perf_counter()
         live = {seq.request_id for seq in running}
         for request_id in [r for r in self._tracked if r not in live]:
             self.proposer.free(self._tracked.pop(request_id))  # preempted: its blocks go back now
         self._probs.clear()
         for seq in running:
             seq.spec_token_ids = []
-        if batch_size >= self.config.disable_batch_size:
-            return
         decoding = [seq for seq in running if not seq.in_prefill]
+        self._time_step(start, running, batch_size=batch_size, all_decoding=len(decoding) == len(running))
+        if not decoding:
+            return
+        self.counters.steps += 1
+        if batch_size < self.config.disable_batch_size:
+            self._draft(decoding, batch_size=max(batch_size, len(decoding)))
+        self.counters.propose_ms += (time.perf_counter() - start) * 1000
+
+    def _draft(self, decoding: list[Sequence], *, batch_size: int) -> None:
         # k + 1 tokens may come out: stay within max_tokens and the position table.
         caps = [max(min(self.config.num_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                         self.max_positions - seq.num_tokens - 1), 0) for seq in decoding]
-        lengths = self._draft_lengths(decoding, caps, max(batch_size, len(decoding)))
-        requests: list[DraftRequest] = []
-        for seq, k in zip(decoding, lengths, strict=True):
-            if k >= 1:
-                seq.spec_num_tokens = k
-                requests.append(DraftRequest(seq=seq, num_tokens=k))
-                self._tracked[seq.request_id] = seq
+        lengths = self._draft_lengths(decoding, caps, batch_size)
+        requests = [DraftRequest(seq=seq, num_tokens=k) for seq, k in zip(decoding, lengths, strict=True) if k >= 1]
         if not requests:
             return
+        self.counters.drafting_steps += 1
+        self._step_batch = batch_size
         start = time.perf_counter()
         for req, draft in zip(requests, self.proposer.propose(requests), strict=True):
+            req.seq.spec_num_tokens = req.num_tokens
+            self._tracked[req.seq.request_id] = req.seq
             req.seq.spec_token_ids = draft.token_ids
             if draft.probs is not None and draft.token_ids:
                 self._probs[req.seq.request_id] = draft.probs
         self.propose_ms = _decayed(self.propose_ms, (time.perf_counter() - start) * 1000 / len(requests))
 
     def _draft_lengths(self, decoding: list[Sequence], caps: list[int], batch_size: int) -> list[int]:
-        """This step's draft length per decoding sequence: the plan (policy.py) over the requests not
-        paused; a request the plan leaves out pauses (2, 4, .. MAX_COOLDOWN steps), then probes with one
-        draft where a draft could pay at this batch size: the text may have turned to copying, or the
-        batch may have shrunk."""
+        """This step's draft length per decoding sequence: the plan (policy.py) over the requests whose
+        acceptance clears the bar (MIN_GAIN to start drafting, break-even to go on); the others are
+        watched (evidence.py): a shadow draft after 1, 2, 4, .. MAX_COOLDOWN steps for a proposer free to
+        ask, else a one-draft probe where a draft could pay at this batch size."""
         if not self.config.adaptive or self.curve is None:
             return caps
-        states, eligible = [], []
-        for seq, cap in zip(decoding, caps, strict=True):
-            state = self._states.get(seq.request_id)
-            if state is None:
-                state = self._states[seq.request_id] = DraftingState.starting_from(self._workload)
-            if state.cooldown and cap:
-                state.cooldown -= 1
-                cap = 0
+        scale, overhead = self._cost_scale(batch_size), self._overhead()
+        keep_at = least_paying_acceptance(batch_size, curve=self.curve, overhead_ms=overhead, min_gain=0.0,
+                                          cost_scale=scale)
+        start_at = least_paying_acceptance(batch_size, curve=self.curve, overhead_ms=overhead, min_gain=MIN_GAIN,
+                                           cost_scale=scale)
+        free = self.proposer.free_to_ask
+        states, eligible, shadows, probes = [], [], [], set()
+        for i, (seq, cap) in enumerate(zip(decoding, caps, strict=True)):
+            state = self._state(seq)
+            checked, hit = state.shadow_checked, state.shadow_hits
+            settled = state.check_shadow(seq.token_ids)
+            self.counters.shadow_checked += state.shadow_checked - checked
+            self.counters.shadow_hits += state.shadow_hits - hit
+            if settled is not None:
+                self._workload.record(proposed=settled[0], accepted=settled[1])
+                if settled[1]:
+                    state.pauses = 0
+                else:
+                    state.back_off()
             states.append(state)
-            eligible.append(cap)
-        # Streams in prefill (and those that do not draft) are rows of the batch all the same.
+            if not cap:
+                eligible.append(0)
+                continue
+            if state.acceptance >= (keep_at if state.drafting else start_at):
+                eligible.append(cap)
+                continue
+            eligible.append(0)
+            state.drafting = False
+            if state.cooldown:
+                state.cooldown -= 1
+            elif start_at > 1.0:
+                pass  # no acceptance pays at this batch size: nothing to learn that would change the plan
+            elif free and not state.shadow:
+                shadows.append(DraftRequest(seq=seq, num_tokens=cap))
+            elif not free and keep_at <= PROBE_ACCEPTANCE:
+                eligible[-1] = 1
+                probes.add(i)
+        if shadows:
+            self._shadow(shadows)
         acceptances = [state.acceptance for state in states] + [0.0] * (batch_size - len(decoding))
         plan = plan_drafts(acceptances, eligible + [0] * (batch_size - len(decoding)), curve=self.curve,
-                           overhead_ms=self._overhead())
-        break_even = self.break_even_acceptance(batch_size)
-        probes_pay = break_even is not None and break_even <= PROBE_ACCEPTANCE
+                           overhead_ms=overhead, min_gain=0.0, cost_scale=scale)
         lengths = list(plan.draft_lengths[: len(decoding)])
-        for i, (state, cap) in enumerate(zip(states, eligible, strict=True)):
-            if not cap:
-                continue
-            if lengths[i]:
-                state.probe_due = False
-            elif state.probe_due:
-                if probes_pay:
-                    state.probe_due, lengths[i] = False, 1
-            else:
-                state.pauses += 1
-                state.cooldown = min(2**state.pauses, MAX_COOLDOWN)
-                state.probe_due = True
+        for i, state in enumerate(states):
+            if i in probes:
+                lengths[i] = 1
+                self.counters.probes += 1
+                state.back_off()  # the next probe waits longer unless this one lands (verify resets pauses)
+            elif lengths[i] and not state.drafting:
+                state.drafting, state.shadow = True, []  # its own verifications are the evidence now
+                self.counters.starts += 1
         return lengths
+
+    def _shadow(self, requests: list[DraftRequest]) -> None:
+        """Shadow drafts for watched requests: asked of the proposer, never verified, checked as tokens come."""
+        for req, draft in zip(requests, self.proposer.propose(requests), strict=True):
+            state = self._states[req.seq.request_id]
+            self.counters.shadow_drafts += 1
+            if draft.token_ids:
+                state.start_shadow(draft.token_ids, at=req.seq.num_tokens)
+            else:
+                state.back_off()  # nothing to draft from yet
+
+    def _state(self, seq: Sequence) -> DraftingState:
+        state = self._states.get(seq.request_id)
+        if state is None:
+            prior = request_prior(self._workload.acceptance, self._workload.evidence)
+            state = self._states[seq.request_id] = DraftingState(prior=prior)
+        return state
+
+    def _cost_scale(self, batch_size: int) -> float:
+        return self.clock.cost_scale(batch_size) if self.measured else 1.0
+
+    def _time_step(self, now: float, running: list[Sequence], *, batch_size: int, all_decoding: bool) -> None:
+        """Close the last step's cycle on the clock (step_clock.py) and open this one's."""
+        if not self.measured or self.curve is None:
+            return
+        sample = self.clock.start_step(now, batch_size=batch_size, clean=all_decoding,
+                                       request_ids=frozenset(seq.request_id for seq in running))
+        if sample is not None:
+            predicted = draft_rows_ms(sample.batch_size, sample.draft_rows, sample.drafting, curve=self.curve,
+                                      overhead_ms=self.overhead_ms) if sample.draft_rows else 0.0
+            self.clock.record(sample, predicted_excess_ms=predicted)
 
     @property
     def overhead_ms(self) -> float:
@@ -263,7 +307,10 @@ class SpeculativeDecoder:
         kv.truncate(seq, seq.num_computed_tokens)
         self.proposer.rollback(seq, seq.num_computed_tokens)
         seq.spec_token_ids = []
-        self.settle_ms = _decayed(self.settle_ms, (time.perf_counter() - start) * 1000)
+        self.clock.verified(len(proposed))
+        spent = (time.perf_counter() - start) * 1000
+        self.settle_ms = _decayed(self.settle_ms, spent)
+        self.counters.settle_ms += spent
         return tokens
 
     def verify(self, seq: Sequence, proposed: list[int], rows: torch.Tensor, row_argmax: list[int] | None = None
@@ -283,14 +330,32 @@ class SpeculativeDecoder:
         self._record(k, accepted)
         state = self._states.get(seq.request_id)
         if state is not None:
-            state.record(proposed=k, accepted=accepted)
-            self._workload.record(proposed=k, accepted=accepted, decay=WORKLOAD_DECAY)
+            self._learn(state, proposed=k, accepted=accepted)
         return tokens
+
+    def _learn(self, state: DraftingState, *, proposed: int, accepted: int) -> None:
+        """A verification's evidence; a request whose verifications gained less than they cost stops."""
+        state.record(proposed=proposed, accepted=accepted)
+        state.verified += proposed
+        state.accepted += accepted
+        if accepted:
+            state.pauses = 0
+        self._workload.record(proposed=proposed, accepted=accepted)
+        if self.curve is None or not self.config.adaptive or not proposed:
+            return
+        batch = max(self._step_batch, 1)
+        state.realized(tokens=accepted + 1, cost_units=verify_cost_units(
+            batch, proposed, curve=self.curve, overhead_ms=self._overhead(), cost_scale=self._cost_scale(batch)))
+        if state.gain_cost >= MIN_REALIZED_EVIDENCE and state.gain_tokens < state.gain_cost:
+            state.stop_drafting()
+            self.counters.realized_stops += 1
 
     def free(self, seq: Sequence) -> None:
         self._probs.pop(seq.request_id, None)
         self._tracked.pop(seq.request_id, None)
-        self._states.pop(seq.request_id, None)
+        state = self._states.pop(seq.request_id, None)
+        if state is not None:
+            self.counters.finished(state)
         self.proposer.free(seq)
 
     # -- counters ----------------------------------------------------------------------------------
@@ -300,6 +365,11 @@ class SpeculativeDecoder:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Where speculation spent its time and what it got (benchmarks), and the step clock's view."""
+        return {**asdict(self.counters), "overhead_ms_per_drafting_stream": round(self.overhead_ms, 3),
+                "workload_acceptance": round(self._workload.acceptance, 3), "clock": self.clock.describe()}
 
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,

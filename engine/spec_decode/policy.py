@@ -13,6 +13,17 @@ off per request (a low a puts its rows last) and per batch (T's slope in n is th
 16 streams the step is compute-bound and an extra row costs nearly its full share, where at one
 stream it costs a small fraction of the step). `overhead_ms` is what drafting costs outside the
 forward per stream (the proposer, the verification), which the decoder measures as it runs.
+
+What the plan is handed is measured, and shrunk where the measurement is thin:
+- a stream's acceptance is the mean of a Beta posterior over its own verifications (and, for a proposer
+  that costs nothing to ask, its unverified "shadow" drafts checked against the tokens that came), under
+  a prior whose mean is the engine's recent acceptance pulled toward PESSIMISTIC_ACCEPTANCE and whose
+  weight is a few verifications (`request_prior`): a new request drafts little until its own evidence
+  says more, so a workload whose drafts seldom land does not open every request with long losing drafts;
+- the extra cost of draft rows is the start-up curve's, times what steps took against what it predicted
+  at this batch size (`cost_scale`, from step_clock.py);
+- a request whose verifications gained less than they cost (`realized_gain` below 1) stops drafting and
+  goes back to being watched (hysteresis: it needs 1 + min_gain expected to start again).
 """
 
 from __future__ import annotations
@@ -99,11 +110,12 @@ class DraftPlan:
 
 
 def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curve: StepCostCurve,
-                overhead_ms: float = 0.0, min_gain: float = MIN_GAIN) -> DraftPlan:
+                overhead_ms: float = 0.0, min_gain: float = MIN_GAIN, cost_scale: float = 1.0) -> DraftPlan:
     """The draft length per stream that maximises expected tokens per ms in a step of these streams.
 
     acceptances[i]: stream i's chance that each draft lands given the ones before it did; max_drafts[i]:
-    the most it may draft (0: it cannot draft this step, but still decodes)."""
+    the most it may draft (0: it cannot draft this step, but still decodes); cost_scale: what drafting
+    steps took over what the curve and overhead predicted at this batch size (1: as predicted)."""
     batch = len(acceptances)
     if batch == 0:
         return DraftPlan(draft_lengths=(), expected_speedup=1.0)
@@ -120,7 +132,7 @@ def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curv
     streams = np.cumsum(position[order] == 1)  # streams drafting among them
     times = _floored(curve, batch, owner.size)
     plain_rate = batch / times[0]
-    rates = tokens / (times[1:] + overhead_ms * streams)
+    rates = tokens / (times[0] + cost_scale * (times[1:] - times[0] + overhead_ms * streams))
     best = int(np.argmax(rates))
     speedup = float(rates[best] / plain_rate)
     if speedup < 1.0 + min_gain:
@@ -130,11 +142,64 @@ def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curv
 
 
 def least_paying_acceptance(batch_size: int, *, curve: StepCostCurve, overhead_ms: float = 0.0,
-                            min_gain: float = MIN_GAIN) -> float:
+                            min_gain: float = MIN_GAIN, cost_scale: float = 1.0) -> float:
     """The acceptance from which one draft of one stream pays in a step of `batch_size` streams (may
     exceed 1: then nothing drafts at this batch size, and probing a paused request cannot pay either)."""
     plain, one = _floored(curve, batch_size, 1)
-    return float((1.0 + min_gain) * batch_size * (one + overhead_ms) / plain - batch_size)
+    cost = plain + cost_scale * (one - plain + overhead_ms)
+    return float((1.0 + min_gain) * batch_size * cost / plain - batch_size)
+
+
+# A request's acceptance before its own evidence: the engine's recent acceptance, pulled toward this. A
+# draft that lands 10% of the time pays nowhere on the curves measured here (one row costs 4-30% of a
+# one-stream step), so a request starting from it drafts only once its own evidence lifts it.
+PESSIMISTIC_ACCEPTANCE = 0.1
+# Weights, in drafts checked: the engine's recent acceptance counts as at most WORKLOAD_WEIGHT drafts
+# against PESSIMISM_WEIGHT at the pessimistic value (a workload whose drafts land 90% of the time starts
+# its requests at 0.63, one whose drafts land 20% at 0.17), and the prior as PRIOR_WEIGHT drafts of the
+# request's own, so two or three checked drafts of its own outweigh it.
+WORKLOAD_WEIGHT = 4.0
+PESSIMISM_WEIGHT = 2.0
+PRIOR_WEIGHT = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BetaPrior:
+    """Pseudo-counts of landed drafts (`hits`) and rejections (`misses`)."""
+
+    hits: float
+    misses: float
+
+    @property
+    def mean(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+
+def request_prior(workload_acceptance: float, workload_evidence: float) -> BetaPrior:
+    """A new request's prior: the engine's recent acceptance (over `workload_evidence` checked drafts,
+    decayed) shrunk toward PESSIMISTIC_ACCEPTANCE, with the weight of PRIOR_WEIGHT checked drafts."""
+    weight = min(max(workload_evidence, 0.0), WORKLOAD_WEIGHT)
+    mean = (weight * workload_acceptance + PESSIMISM_WEIGHT * PESSIMISTIC_ACCEPTANCE) / (weight + PESSIMISM_WEIGHT)
+    return BetaPrior(hits=PRIOR_WEIGHT * mean, misses=PRIOR_WEIGHT * (1.0 - mean))
+
+
+def posterior_acceptance(hits: float, misses: float, prior: BetaPrior) -> float:
+    """The mean of the Beta posterior: each draft lands with this chance given the ones before it did."""
+    return (prior.hits + hits) / (prior.hits + prior.misses + hits + misses)
+
+
+def verify_cost_units(batch_size: int, drafts: int, *, curve: StepCostCurve, overhead_ms: float = 0.0,
+                      cost_scale: float = 1.0) -> float:
+    """What one stream verifying `drafts` costs, in units of its share of a plain step of `batch_size`
+    streams (1.0: no drafts). Its tokens over this, summed over verifications, is its realized gain."""
+    times = _floored(curve, batch_size, drafts)
+    extra = cost_scale * (float(times[drafts] - times[0]) + (overhead_ms if drafts else 0.0))
+    return 1.0 + extra * batch_size / float(times[0])
+
+
+def realized_gain(tokens: float, cost_units: float) -> float:
+    """Tokens per unit of a plain step's share, over a request's verifications (1.0: no evidence)."""
+    return tokens / cost_units if cost_units > 0 else 1.0
 
 
 def _floored(curve: StepCostCurve, batch_size: int, max_extra: int) -> np.ndarray:
@@ -143,3 +208,11 @@ def _floored(curve: StepCostCurve, batch_size: int, max_extra: int) -> np.ndarra
     least: np.ndarray = times[0] + MIN_ROW_COST * float(curve.row_ms(1, 0)[0]) * np.arange(max_extra + 1)
     floored: np.ndarray = np.maximum(times, least)
     return floored
+
+
+def draft_rows_ms(batch_size: int, draft_rows: int, drafting: int, *, curve: StepCostCurve,
+                  overhead_ms: float = 0.0) -> float:
+    """What the plan predicts `draft_rows` drafts among `drafting` streams add to a step of `batch_size`
+    streams (ms, before any cost_scale): the curve's rows and the overhead outside the forward."""
+    times = _floored(curve, batch_size, draft_rows)
+    return float(times[draft_rows] - times[0]) + overhead_ms * drafting

@@ -38,6 +38,10 @@ class Draft:
 
 
 class Proposer(Protocol):
+    # Asking costs next to nothing against a forward (a lookup, no model): the decoder checks watched
+    # requests with drafts it never verifies (evidence.py's shadow drafts).
+    free_to_ask: bool
+
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One Draft per request, in order."""
 
@@ -69,6 +73,8 @@ def ngram_lookup(tokens: list[int], *, n_min: int, n_max: int, k: int) -> list[i
 
 
 class NgramProposer:
+    free_to_ask = True
+
     def __init__(self, *, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
 
@@ -93,6 +99,8 @@ class _DraftState:
 
 
 class DraftModelProposer:
+    free_to_ask = False  # k steps of a model
+
     def __init__(self, model: LlamaModel, *, num_layers: int | None, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, greedy_drafts: bool = False) -> None:
         """`greedy_drafts`: every request's drafts are the draft model's argmax, its generator left untouched

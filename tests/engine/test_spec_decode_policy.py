@@ -8,14 +8,16 @@ from hypothesis import strategies as st
 
 from decodeservice.engine import SamplingParams, SpeculativeConfig
 from decodeservice.engine.sequence import Sequence, SequenceStatus
-from decodeservice.engine.spec_decode.decoder import MAX_PRIOR_ACCEPTANCE, DraftingState, SpeculativeDecoder
+from decodeservice.engine.spec_decode.decoder import SpeculativeDecoder
+from decodeservice.engine.spec_decode.evidence import DraftingState
 from decodeservice.engine.spec_decode.policy import (
     MIN_GAIN,
+    BetaPrior,
     StepCostCurve,
     least_paying_acceptance,
     plan_drafts,
 )
-from decodeservice.engine.spec_decode.proposers import NgramProposer
+from decodeservice.engine.spec_decode.proposers import NgramProposer, ngram_lookup
 
 
 def curve(plain: dict[int, float], row_ms: dict[int, float], max_rows: int = 64) -> StepCostCurve:
@@ -124,28 +126,56 @@ def decoding(request_id: str, tokens: list[int]) -> Sequence:
     return seq
 
 
-def test_the_decoder_pauses_a_request_and_probes_only_where_a_draft_could_pay() -> None:
+FAILING = BetaPrior(hits=0.05, misses=3.0)  # a request whose drafts have been failing
+LANDING = BetaPrior(hits=9.0, misses=1.0)
+
+
+def test_a_failing_request_is_watched_with_shadow_drafts_and_drafts_once_they_land() -> None:
     decoder = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_tokens=4), NgramProposer(n_min=1, n_max=3),
                                  max_positions=2048)
     decoder.use_measured(SMALL_AND_BIG, row_cost=0.03)
-    periodic = [5, 6, 7, 8] * 6  # n-gram lookup always finds a continuation
-    seq = decoding("a", periodic)
-    decoder._states["a"] = DraftingState(hits=0.05, misses=3.0)  # its drafts have been failing
-    seen = []
-    for _ in range(12):
+    seq = decoding("a", [5, 6, 7, 8] * 6)  # n-gram lookup always finds a continuation
+    decoder._states["a"] = DraftingState(prior=FAILING)
+    decoder.propose([seq], batch_size=1)
+    state = decoder._states["a"]
+    assert seq.spec_token_ids == [] and state.shadow == [5, 6, 7, 8]  # no verify row: a shadow draft
+    seq.output_token_ids.append(5)  # the token that comes is the shadow draft's: a landed draft
+    seq.num_computed_tokens += 1
+    decoder.propose([seq], batch_size=1)
+    # its own evidence outweighs the prior: a draft row costs 3% of this step, one landing in four pays
+    assert state.acceptance > 0.25 and len(seq.spec_token_ids) >= 1 and state.drafting
+    assert decoder.counters.shadow_hits == 1 and decoder.counters.starts == 1
+
+
+def test_shadow_drafts_that_miss_back_off_and_none_are_asked_where_nothing_pays() -> None:
+    decoder = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_tokens=4), NgramProposer(n_min=1, n_max=3),
+                                 max_positions=2048)
+    decoder.use_measured(SMALL_AND_BIG, row_cost=0.03)
+    seq = decoding("a", [5, 6, 7, 8] * 6)
+    decoder._states["a"] = state = DraftingState(prior=FAILING)
+    asked = []
+    for _ in range(40):
         decoder.propose([seq], batch_size=1)
-        seen.append(len(seq.spec_token_ids))
-    assert seen[0] == 0 and 1 in seen and max(seen) == 1  # paused, then probes with one draft
-    # 16 streams: no draft can pay, so nobody probes, however long it waits
-    batch = [decoding(f"s{i}", periodic) for i in range(16)]
+        assert seq.spec_token_ids == []
+        asked.append(decoder.counters.shadow_drafts)
+        guess = ngram_lookup(seq.token_ids, n_min=1, n_max=3, k=4)[:1]
+        seq.output_token_ids.append(next(t for t in (5, 6, 7, 8) if [t] != guess))  # never what a draft says
+        seq.num_computed_tokens += 1
+    # asked at once, then each miss (seen a step later) waits 2, 4, 8, 16 steps before the next
+    assert [i for i in range(1, 40) if asked[i] > asked[i - 1]] == [3, 8, 17, 34]
+    assert state.acceptance < FAILING.mean and not state.drafting
+    # 16 streams: no draft can pay, so nobody is asked anything, however long it waits
+    batch = [decoding(f"s{i}", [5, 6, 7, 8] * 6) for i in range(16)]
     for s in batch:
-        decoder._states[s.request_id] = DraftingState(hits=0.05, misses=3.0)
+        decoder._states[s.request_id] = DraftingState(prior=FAILING)
+    before = decoder.counters.shadow_drafts
     for _ in range(80):
         decoder.propose(batch, batch_size=16)
         assert not any(s.spec_token_ids for s in batch)
+    assert decoder.counters.shadow_drafts == before
     # ... while drafts that land still draft at one stream
-    decoder._states["b"] = DraftingState(hits=MAX_PRIOR_ACCEPTANCE * 10, misses=1.0)
-    fresh = decoding("b", periodic)
+    decoder._states["b"] = DraftingState(prior=LANDING)
+    fresh = decoding("b", [5, 6, 7, 8] * 6)
     decoder.propose([fresh], batch_size=1)
     assert len(fresh.spec_token_ids) == 4
 
