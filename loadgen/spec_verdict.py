@@ -87,8 +87,10 @@ class SpecActivity:
             return (f"at {c} streams this machine's step is compute-bound (a draft would have to land more than "
                     f"always to pay), so speculation stays off; {share}")
         if rate is None:
-            return "no request drafted: the drafts found nothing to propose, or none was expected to pay"
-        needs = f"; a draft pays here from {need:.0%} at {c} streams (measured at start-up)" if need is not None else ""
+            return ("no request drafted: the drafts found nothing to propose, or none was expected to pay (a "
+                    "request drafts once its own checked drafts, shadow drafts included, say it pays)")
+        needs = (f"; a draft pays here from {need:.0%} at {c} streams (measured at start-up, corrected by what the "
+                 f"engine's steps took)") if need is not None else ""
         return f"drafts landed {rate:.0%}{needs}: speculation drafted where it paid and backed off elsewhere; {share}"
 
 
