@@ -228,7 +228,9 @@ class RouterPolicy:
                 url=r.name, hit_tokens=self.index.match(r.name, turn.blocks) * BLOCK,
                 tokens_ahead=state.prefill_tokens_ahead(now) + queued * self.mean_uncached,
                 busy=queued > 0 or bool(state.prefill),
-                kv_usage=min(r.kv_tokens / r.profile.kv_capacity_tokens, 1.0), base_s=estimate.base_s,
+                kv_usage=min(r.kv_tokens / r.profile.kv_capacity_tokens, 1.0),
+                # One router sends every request, so its count of streams there is the replica's own.
+                streams=r.load, base_s=estimate.base_s,
                 cost_per_token_s=estimate.cost_per_token_s, observed=estimate.observed > 0))
         priority = PriorityClass(turn.cls)
         if should_shed(views, prompt_tokens=turn.prompt_tokens,

@@ -58,7 +58,9 @@ class EndpointState:
     # The router's requests there still before their first token; a stream that has begun decoding no
     # longer delays a newcomer (the engine batches it in), so it leaves this table.
     prefill: dict[int, InFlight] = dataclasses.field(default_factory=dict)
-
+    # Every request of the router's there until it finishes, prefilling or decoding: what a cold tie is
+    # balanced by (decoding streams set the ITL and a batch's slots, though they delay no newcomer's start).
+    streams: set[int] = dataclasses.field(default_factory=set)
 
     def prefill_tokens_ahead(self, now: float) -> float:
         """The prefill still ahead of a newcomer, in tokens: what is left of each earlier request's
@@ -143,7 +145,7 @@ class Fleet:
                 url=url, hit_tokens=self.index.match(url, keys.blocks) * keys.block_tokens, tokens_ahead=ahead,
                 # Streams past their first token do not delay a newcomer's start: the engine batches it
                 # in at once. Only prefill ahead of it (ours, or the proxy's queue) does.
-                busy=queued > 0 or bool(e.prefill), kv_usage=e.load.kv_usage,
+                busy=queued > 0 or bool(e.prefill), kv_usage=e.load.kv_usage, streams=len(e.streams),
                 base_s=estimate.base_s, cost_per_token_s=estimate.cost_per_token_s, observed=estimate.observed > 0,
             ))
         return views
@@ -156,6 +158,7 @@ class Fleet:
         now = time.perf_counter()
         state.prefill[handle] = InFlight(tokens=state.prefill_tokens_ahead(now) + uncached, uncached=uncached,
                                          sent=now, first_token_due=now + predicted_ttft_s)
+        state.streams.add(handle)
         self.mean_uncached = _MEAN_DECAY * self.mean_uncached + (1 - _MEAN_DECAY) * uncached
         return handle
 
@@ -169,6 +172,7 @@ class Fleet:
         state = self.endpoints.get(url)
         if state is not None:
             state.prefill.pop(handle, None)
+            state.streams.discard(handle)
 
     # -- probing ------------------------------------------------------------------------------------
     async def poll_forever(self, client: httpx.AsyncClient) -> None:

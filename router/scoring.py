@@ -15,10 +15,12 @@ endpoint holds. Then:
    (`prefix_hit_within_slo`): a hit is prefill the fleet does not redo. Hits within `HIT_TIE_SHARE`
    of the prompt of the largest count as a tie: a shared system prompt cached on one endpoint only
    must not pull every new conversation there;
-3. a tie (a cold prefix, or one only a shared system prompt long): rendezvous hashing of the
-   conversation key over the tied endpoints predicted within `COLD_SLACK` of the objective of the
-   fastest of them (`rendezvous`). Two routers that see the same endpoints pick the same one without
-   sharing state, so running two does not split a conversation's turns between two caches;
+3. a tie (a cold prefix, or one only a shared system prompt long): of the tied endpoints predicted
+   within `COLD_SLACK` of the objective of the fastest of them, the conversation's first `CHOICES` by
+   rendezvous weight, and of those the one with fewer of the router's streams (`rendezvous`). Two
+   routers that see the same endpoints choose within the same two without sharing state, so running
+   two does not scatter a conversation's turns over every cache, and the streams spread as evenly as
+   round-robin's;
 4. no endpoint within the objective: the least prefill work, ahead plus the prompt's uncached tokens,
    ties by rendezvous (`least_work`, join-the-shortest-queue: seconds from a fit's base would herd), or a shed
    when even that one is over the objective, busy, and its cost model has been observed, unless the
@@ -37,6 +39,13 @@ from collections.abc import Sequence
 # close enough that the hash, not the momentary load, decides (and two routers agree), yet an endpoint
 # already a quarter of the objective behind is not handed a full prefill on top.
 COLD_SLACK = 0.25
+# A cold tie goes to the endpoint with fewer of the router's streams among the conversation's first
+# CHOICES by rendezvous weight ("the power of two choices"): the hash alone placed single requests at
+# random, so some endpoints batched more decoding streams than others and missed the objectives that
+# round-robin's even spread met (benchmarks/routing_sim.py --fixed); two router replicas, each counting
+# only its own streams, still pick within the same two endpoints, so a conversation's later turn that
+# reaches the other replica finds its prefix at least half the time (the fewest of all would be 1/N).
+CHOICES = 2
 # Hits that differ by less than this share of the prompt are a tie: what the smaller one costs in extra
 # prefill is small beside what piling new conversations onto one endpoint costs in queueing.
 HIT_TIE_SHARE = 0.25
@@ -62,6 +71,7 @@ class EndpointView:
     tokens_ahead: float  # prefill tokens that would run before this request's
     busy: bool  # prefill work is ahead of a newcomer there (requests before their first token, or queued)
     kv_usage: float = 0.0  # the engine's KV-cache usage, 0..1 (vllm:kv_cache_usage_perc)
+    streams: int = 0  # the router's requests there not yet finished, prefilling or decoding
     base_s: float
     cost_per_token_s: float
     observed: bool  # the cost model has seen a first token from this endpoint
@@ -116,8 +126,8 @@ def decide(views: Sequence[EndpointView], *, prompt_tokens: int, conversation: b
         return made(top[0], Reason.PREFIX_HIT_WITHIN_SLO if best_hit > 0 else Reason.LEAST_PREDICTED_TTFT)
     fastest = min(predicted[v.url] for v in top)
     near = [v for v in top if predicted[v.url] <= fastest + COLD_SLACK * objective_s]
-    chosen = rendezvous([v.url for v in near], conversation)
-    return made(next(v for v in near if v.url == chosen), Reason.RENDEZVOUS)
+    ranked = sorted(near, key=lambda v: rendezvous_weight(v.url, conversation), reverse=True)[:CHOICES]
+    return made(min(ranked, key=lambda v: v.streams), Reason.RENDEZVOUS)
 
 
 def least_work(views: Sequence[EndpointView], prompt_tokens: int, conversation: bytes) -> EndpointView:

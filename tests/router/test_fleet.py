@@ -61,3 +61,18 @@ def test_every_endpoint_shares_the_fleets_ttft_model() -> None:
     assert {e.observed for e in estimates.values()} == {50}  # a new endpoint starts from what the fleet learned
     assert estimates["http://c"] == estimates["http://a"] == estimates["http://b"]
     assert estimates["http://c"].cost_per_token_s == pytest.approx(0.001, rel=0.1)
+
+
+def test_streams_count_a_request_until_it_finishes_not_until_its_first_token() -> None:
+    # A decoding stream delays no newcomer's prefill, but it holds a batch slot and slows every step: a
+    # cold tie is balanced by how many streams each endpoint has, so they stay counted past the first token.
+    f = fleet()
+    one = f.dispatched("http://a", uncached=100, predicted_ttft_s=0.1)
+    two = f.dispatched("http://a", uncached=100, predicted_ttft_s=0.1)
+    f.first_token("http://a", one, ttft_s=0.1)
+    a, b = f.views(PriorityClass.INTERACTIVE, KEYS)
+    assert (a.streams, b.streams) == (2, 0)
+    f.finished("http://a", one)
+    f.finished("http://a", one)  # a second report of the same request changes nothing
+    f.finished("http://a", two)
+    assert [v.streams for v in f.views(PriorityClass.INTERACTIVE, KEYS)] == [0, 0]

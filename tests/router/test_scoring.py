@@ -13,6 +13,7 @@ from decodeservice.router.scoring import (
     decide,
     predicted_ttft,
     rendezvous,
+    rendezvous_weight,
     retry_after_seconds,
     should_shed,
 )
@@ -22,9 +23,9 @@ BASE = 0.02
 
 
 def view(url: str, *, hit: int = 0, ahead: float = 0.0, busy: bool = False, kv: float = 0.0,
-         observed: bool = True) -> EndpointView:
+         observed: bool = True, streams: int = 0) -> EndpointView:
     return EndpointView(url=url, hit_tokens=hit, tokens_ahead=ahead, busy=busy, kv_usage=kv, base_s=BASE,
-                        cost_per_token_s=COST, observed=observed)
+                        cost_per_token_s=COST, observed=observed, streams=streams)
 
 
 def test_predicted_ttft_is_base_plus_work_ahead_and_uncached_prompt() -> None:
@@ -85,6 +86,20 @@ def test_a_cold_prefix_goes_by_rendezvous_among_the_near_least_loaded() -> None:
     d = decide(views, prompt_tokens=600, conversation=b"x", objective_s=2.0)
     assert d.reason is Reason.RENDEZVOUS
     assert d.endpoint == rendezvous(["a", "b"], b"x")
+
+
+def test_a_cold_tie_goes_to_the_fewer_streams_of_its_two_rendezvous_choices() -> None:
+    # Streams past their first token add no prefill ahead, so the prediction cannot tell these apart;
+    # the hash alone sent conversations to the endpoint already decoding more (placement at random).
+    key = b"conv-7"
+    first, second, third = sorted("abc", key=lambda url: rendezvous_weight(url, key), reverse=True)
+    views = [view(first, streams=5), view(second, streams=2), view(third)]
+    d = decide(views, prompt_tokens=600, conversation=key, objective_s=2.0)
+    # The fewer streams of the conversation's two choices, not the least loaded of all: another router
+    # replica, counting only its own streams, still picks within the same two.
+    assert (d.endpoint, d.reason) == (second, Reason.RENDEZVOUS)
+    even = [view(u, streams=3) for u in "abc"]
+    assert decide(even, prompt_tokens=600, conversation=key, objective_s=2.0).endpoint == first
 
 
 def test_a_prefix_every_endpoint_holds_is_a_tie_broken_by_rendezvous() -> None:
