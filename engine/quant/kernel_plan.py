@@ -68,8 +68,9 @@ BF16_LOSS, BF16_ROUNDS = 3.0, 4
 # 6: the int8-dot kernel on its own tiles (VNNI where the CPU has it); 7: it takes fp32 rows as they are;
 # 8: prompt rows on a packed dense copy where faster (prompt_weights.py); 9: timings' min over 20 ms of runs
 # (version 8's plans were measured with 5 runs: a loaded machine's cached one took torch's int4 kernel over the
-# int8-dot kernel for q/k/v and gate/up)
-PLAN_VERSION = 9
+# int8-dot kernel for q/k/v and gate/up); 10: prompt rows on an int8 copy where the CPU's int8 GEMM is exact
+# and it beat the packed dense copy (prompt_weights.Int8Copy)
+PLAN_VERSION = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +88,13 @@ class ShapePlan:
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     int8_dot: bool = False  # weight-only calls take native.py's int8-dot kernel, not torch's
     prompt_packed: bool = False  # prompt rows measured faster on a packed dense copy (prompt_weights.py)
+    # prompt rows measured faster still on an int8 copy (prompt_weights.Int8Copy); it replaces the dense copy
+    prompt_int8: bool = False
+
+    @property
+    def prompt_route(self) -> str:
+        """Which copy prompt rows run on: "int8", "packed", or "as_planned" (none: the row thresholds' paths)."""
+        return "int8" if self.prompt_int8 else "packed" if self.prompt_packed else "as_planned"
 
     @property
     def mixed_dense_from(self) -> int | None:
@@ -120,7 +128,8 @@ class KernelPlan:
             "native_dequant": self.native_dequant,
             "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot else "torch int4",
                            "dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
-                           "w8a8_from": p.w8a8_from, "prompt_packed": p.prompt_packed}
+                           "w8a8_from": p.w8a8_from, "prompt_packed": p.prompt_packed,
+                           "prompt_route": p.prompt_route}
                      for key, p in self.shapes.items()},
             "prompt_copy_bytes": self.prompt_copy_bytes,
             "deterministic": self.deterministic,
@@ -199,23 +208,30 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
     fallbacks: list[str] = []
     # All the prompt copies the plan wants, or none (the memory rule: prompt_weights.py); deterministic
     # mode's rows all take one other path, and a compiled step cannot run them, so both keep none.
-    wanted = sum(prompt_weights.copy_bytes(modules[n].out_features, modules[n].in_features, activations.dtype)
-                 for key, names in groups.items() if shapes[key].prompt_packed for n in names)
+    wanted = sum(prompt_weights.copy_bytes(modules[n].out_features, modules[n].in_features,
+                                           torch.int8 if shapes[key].prompt_int8 else activations.dtype)
+                 for key, names in groups.items() if shapes[key].prompt_route != "as_planned" for n in names)
     packing, copy_bytes = not deterministic and not compiled and wanted <= prompt_weights.COPY_MAX_BYTES, 0
     if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
         fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
         shapes = {key: replace(p, w8a8_from=None) for key, p in shapes.items()}
+    if any(p.prompt_int8 for p in shapes.values()) and not int8_gemm_is_exact():  # never measured so; checked
+        shapes = {key: replace(p, prompt_int8=False) for key, p in shapes.items()}
     for key, names in groups.items():
         for name in names:
             module = modules[name]
             if isinstance(module, Int4Linear):
                 module.use_int8_dot(dot if shapes[key].int8_dot and module.int8_dot_fits else None)
             module.set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
-            if packing and shapes[key].prompt_packed:
+            if packing and shapes[key].prompt_int8:
+                module.pack_prompt_int8(True)
+            elif packing and shapes[key].prompt_packed:
                 module.pack_prompt_weight(activations.dtype)
             fallbacks += self_check(name, modules[name], dtype=activations.dtype)
             if module.prompt_weight is not None:  # it passed the self-check
                 copy_bytes += prompt_weights.copy_bytes(module.out_features, module.in_features, activations.dtype)
+            if module.prompt_int8 is not None:
+                copy_bytes += module.prompt_int8.nbytes
             if isinstance(module, Int4Linear):
                 module.release_torch_packing()  # where the int8-dot kernel passed: its tiles replace it
     plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
@@ -269,6 +285,11 @@ def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str
         if not error < WEIGHT_ONLY_TOLERANCE:
             failed.append(f"{name}: packed prompt copy off (relative error {error:.3g})")
             module.pack_prompt_weight(None)
+    if module.prompt_int8 is not None:
+        error = _relative_error(module.prompt_int8(x.to(dtype)).float()[:, index], reference)
+        if not error < W8A8_TOLERANCE:  # int8 activations, as W8A8's
+            failed.append(f"{name}: int8 prompt copy off (relative error {error:.3g})")
+            module.pack_prompt_int8(False)
     if module.w8a8_from is not None:
         error = _relative_error(module.w8a8(x.to(dtype)).float()[:, index], reference)
         if not error < W8A8_TOLERANCE:
@@ -305,14 +326,22 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
             timings["weight_only_small"], timings["w8a8"] = _race(weight_only, w8a8, x, W8A8_LADDER)
             w8a8_from = first_win(timings["w8a8"], timings["weight_only_small"])
     dense_from = first_win(timings["dense"], timings["weight_only"])
-    prompt_packed = False
-    if not head and prompt_weights.supported(dtype):
+    prompt_packed = prompt_int8 = False
+    if not head:
         module.set_row_plan(dense_from=dense_from, w8a8_from=w8a8_from)  # the prompt path as planned
-        prompt_packed, packed_timings = prompt_weights.race(module.prompt_path, module.dense_weight(dtype), x,
-                                                            time_ms=_time_ms)
-        timings.update({f"prompt_{path}": rungs for path, rungs in packed_timings.items()})
+        best: Callable[[torch.Tensor], torch.Tensor] = module.prompt_path
+        if prompt_weights.supported(dtype):
+            dense = module.dense_weight(dtype)
+            prompt_packed, packed_timings = prompt_weights.race(module.prompt_path, dense, x, time_ms=_time_ms)
+            timings.update({f"prompt_{path}": rungs for path, rungs in packed_timings.items()})
+            if prompt_packed:
+                best = prompt_weights.packed_linear(dense)
+        if int8_gemm_is_exact():  # else _int_mm may saturate (no VNNI / AMX-INT8 in use)
+            copy = prompt_weights.Int8Copy.of(module.dense_weight(torch.float32))
+            prompt_int8, int8_timings = prompt_weights.race_int8(best, copy, x, time_ms=_time_ms)
+            timings.update({f"prompt_int8_{path}": rungs for path, rungs in int8_timings.items()})
     return ShapePlan(dense_from=dense_from, w8a8_from=w8a8_from, timings_ms=timings, int8_dot=int8_dot,
-                     prompt_packed=prompt_packed)
+                     prompt_packed=prompt_packed, prompt_int8=prompt_int8)
 
 
 def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
@@ -399,7 +428,7 @@ def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dty
 def _read_cache(path: Path) -> dict[str, ShapePlan] | None:
     return read_cached(path, lambda raw: {
         key: ShapePlan(dense_from=p["dense_from"], w8a8_from=p["w8a8_from"], int8_dot=bool(p["int8_dot"]),
-                       prompt_packed=bool(p["prompt_packed"]),
+                       prompt_packed=bool(p["prompt_packed"]), prompt_int8=bool(p["prompt_int8"]),
                        timings_ms={path_: {int(r): float(ms) for r, ms in rungs.items()}
                                    for path_, rungs in p["timings_ms"].items()})
         for key, p in raw["shapes"].items()})

@@ -23,6 +23,7 @@ from decodeservice.engine.quant.native import (
     int4_dot_matmul,
     tile_codes,
 )
+from decodeservice.engine.quant.prompt_weights import Int8Copy
 from decodeservice.engine.quant.step_rows import StepRows, tiled_linear
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
 
@@ -76,6 +77,9 @@ class RowPlanned(nn.Module):
     # them faster than the prompt path's other routes within its memory rule (kernel_plan.py); None:
     # prompt rows dequantize per call or take the weight-only kernel.
     prompt_weight: torch.Tensor | None = None
+    # Prompt rows' int8 copy (prompt_weights.Int8Copy), where the plan measured it faster still; it replaces
+    # the dense copy.
+    prompt_int8: Int8Copy | None = None
 
     def set_row_plan(self, *, dense_from: int | None, w8a8_from: int | None) -> None:
         self.dense_from = dense_from
@@ -85,6 +89,10 @@ class RowPlanned(nn.Module):
         """Prompt rows through a oneDNN-packed dense copy in `dtype` (None drops it)."""
         self.prompt_weight = None if dtype is None else \
             torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(dtype), None)
+
+    def pack_prompt_int8(self, on: bool) -> None:
+        """Prompt rows through an int8 copy of the weights' own values (False drops it)."""
+        self.prompt_int8 = Int8Copy.of(self.dense_weight(torch.float32)) if on else None
 
     def packed_linear(self, rows: torch.Tensor) -> torch.Tensor:
         assert self.prompt_weight is not None
@@ -127,6 +135,8 @@ class RowPlanned(nn.Module):
         exact integer sums: a row's result is its own); else the dense GEMM where the plan found it faster
         at some row count (what long prompt chunks need), called on ROW_TILE-padded rows; else the
         weight-only kernel (a row's result is its own at every row count: engine/quant/int4_dot.cpp)."""
+        if self.prompt_int8 is not None:  # measured faster than the dense copy; a row's result is its own
+            return self.prompt_int8(flat)
         if self.prompt_weight is not None:  # measured faster than the routes below (prompt_weights.py)
             return tiled_linear(flat, self.packed_linear)
         if self.w8a8_from is not None:

@@ -42,9 +42,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (M, K) int8 codes in [-127, 127] and (M, 1) fp32 scales (symmetric, per row)."""
-    xf = x.float()
+    xf = x.float()  # x itself when x is fp32: not divided in place, the caller's rows stay as they were
     scale = xf.abs().amax(dim=1, keepdim=True).div_(127).clamp_min_(1e-10)
-    return xf.div_(scale).round_().to(torch.int8), scale
+    return torch.div(xf, scale).round_().to(torch.int8), scale
 
 
 def w8a8_mm(x: torch.Tensor, codes: torch.Tensor, col_scale: torch.Tensor) -> torch.Tensor:

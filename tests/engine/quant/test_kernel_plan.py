@@ -133,7 +133,8 @@ def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path:
     assert set(plan.shapes) == {"Int4Linear 192x64", "Int8Linear+w8a8 head 320x64"}
     int4 = plan.shapes["Int4Linear 192x64"]
     # prompt chunks against a packed dense copy too, where oneDNN has one (prompt_weights.py)
-    assert set(int4.timings_ms) - {"prompt_prompt_path", "prompt_packed"} == {"weight_only", "dense"}
+    assert set(int4.timings_ms) - {"prompt_prompt_path", "prompt_packed", "prompt_int8_best", "prompt_int8_int8"} == {
+        "weight_only", "dense"}
     assert all(ms > 0 for ms in int4.timings_ms["dense"].values())
     copies = [m for m in (model.a, model.b) if m.prompt_weight is not None]
     assert (len(copies) == 2) == int4.prompt_packed  # the memory rule takes all of a small model's copies

@@ -1,0 +1,175 @@
+"""Where a ~490-token prefill's time goes, part by part, for each prompt-row weight route. JSON out.
+
+    .venv/bin/python -P benchmarks/prefill_breakdown.py [--threads 2] [--tokens 490] [--rounds 5]
+        [--routes packed,int8] [--kv-cache-dtype auto] [--out FILE]
+
+One engine per route over the bundled model at its defaults (int4 weights, one chunk: the prompt fits
+max_num_batched_tokens), taking turns prompt by prompt in rounds so that the machine's load hits every
+route alike. Each prompt is one the engine has not seen (no prefix hit), max_tokens=1: the step that
+prefills it is timed as a whole (`engine.step`) and in parts, wall time around each call, summed over
+the layers, milliseconds per prefill:
+
+- `embed`, `norms` (every RMSNorm), `qkv_proj`, `rope` (Rotary.rotate), `qkv_split` (the rest of
+  Attention.project: splits and reshapes), `kv_write` (`attend` less the backend's read),
+  `attention` (the backend's read of the pool; `paged_decode_kernel`, inside it, is the native kernel),
+  `o_proj`, `gate_up_proj`, `down_proj`, `mlp_act` (SiLU and the product), `residual` (the forward less
+  its parts: the adds, the final norm's row pick), `head` (`compute_logits`: the rows that sample only),
+  `outside_forward` (the step less the forward and the head: scheduling, the batch's metadata and the
+  attention plan, sampling, detokenization).
+
+`route`: which copy of the weights every projection's prompt rows run on (engine/quant/prompt_weights.py),
+set on every projection after the engine's own plan: `packed` the oneDNN-packed dense copy in the
+activations' dtype, `int8` the int8 copy (int8 rows x int8 weights, exact int32 sums), `plan` whatever
+the engine's kernel plan chose. Per route the round with the fastest step is kept, and the per-round
+ratio of each route's step to the first route's is given as median and range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decodeservice.engine import Engine, SamplingParams
+from decodeservice.engine import model as model_module
+from decodeservice.engine.attention import native_decode
+from decodeservice.engine.quant import detect_cpu
+from decodeservice.engine.quant.linear import RowPlanned
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from long_context import document_tokens
+
+spent: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+
+def timed(owner: Any, attribute: str, part: str) -> None:
+    """owner.attribute wrapped so that its wall time adds to spent[part]."""
+    original: Callable[..., Any] = getattr(owner, attribute)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - start
+
+    setattr(owner, attribute, wrapper)
+
+
+def instrument_model(engine: Engine) -> None:
+    """The parts held by this engine's own modules (the class-level ones are wrapped once in main)."""
+    model = engine.model
+    timed(model.embed_tokens, "forward", "embed")
+    for layer in model.decoder_layers():
+        timed(layer.self_attn.qkv_proj, "forward", "qkv_proj")
+        timed(layer.self_attn.o_proj, "forward", "o_proj")
+        timed(layer.mlp.gate_up_proj, "forward", "gate_up_proj")
+        timed(layer.mlp.down_proj, "forward", "down_proj")
+    timed(engine.runner.attention_backend, "attend", "attention")
+
+
+def set_prompt_route(engine: Engine, route: str) -> None:
+    """Every projection's prompt rows on `route`'s copy (an A/B harness: the engine's plan chooses one)."""
+    if route == "plan":
+        return
+    for module in engine.model.modules():
+        if isinstance(module, RowPlanned) and module is not engine.model.lm_head:
+            module.pack_prompt_int8(route == "int8")
+            module.pack_prompt_weight(engine.dtype if route == "packed" else None)
+
+
+def prefill_parts(engine: Engine, tokens: list[int]) -> dict[str, float]:
+    """Milliseconds by part of the one step that prefills `tokens` (and samples its first token)."""
+    engine.add_request(tokens, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    spent.clear()
+    start = time.perf_counter()
+    outputs = engine.step()
+    spent["step"] += time.perf_counter() - start
+    assert not engine.has_unfinished_requests() and sum(len(o.new_token_ids) for o in outputs) == 1, \
+        "the prompt took more than one step: raise max_num_batched_tokens or shorten --tokens"
+    parts = {part: seconds * 1e3 for part, seconds in spent.items()}
+    parts["kv_write"] = parts.pop("attend_total") - parts["attention"]
+    parts["qkv_split"] = parts.pop("project") - parts["qkv_proj"] - parts["rope"]
+    parts["mlp_act"] = parts.pop("mlp") - parts["gate_up_proj"] - parts["down_proj"]
+    known = ("embed", "norms", "qkv_proj", "rope", "qkv_split", "kv_write", "attention", "o_proj", "gate_up_proj",
+             "down_proj", "mlp_act")
+    parts["residual"] = parts["forward"] - sum(parts.get(k, 0.0) for k in known)
+    parts["outside_forward"] = parts["step"] - parts["forward"] - parts["head"]
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=490)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--routes", default="packed,int8", help="prompt-row weight routes, the first the baseline")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    routes = args.routes.split(",")
+    engines = {route: Engine.from_pretrained("smollm2-135m", max_model_len=2048, kv_cache_dtype=args.kv_cache_dtype)
+               for route in routes}
+    for route, engine in engines.items():
+        set_prompt_route(engine, route)
+    timed(model_module.RMSNorm, "forward", "norms")
+    timed(model_module.Rotary, "rotate", "rope")
+    timed(model_module.Attention, "project", "project")
+    timed(model_module, "attend", "attend_total")
+    timed(native_decode, "paged_decode", "paged_decode_kernel")
+    timed(native_decode, "paged_decode_int8", "paged_decode_kernel")
+    timed(model_module.MLP, "forward", "mlp")
+    timed(model_module.LlamaModel, "run_layers", "forward")
+    timed(model_module.LlamaModel, "compute_logits", "head")
+    for engine in engines.values():
+        instrument_model(engine)
+        prefill_parts(engine, document_tokens(engine, args.tokens, offset=10**6))  # warm-up
+    best: dict[str, dict[str, float]] = {}
+    steps: dict[str, list[float]] = {route: [] for route in routes}
+    loads = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        order = routes if r % 2 == 0 else routes[::-1]
+        for route in order:
+            engine = engines[route]
+            parts = prefill_parts(engine, document_tokens(engine, args.tokens, offset=1000 * (r + 1)))
+            steps[route].append(parts["step"])
+            if route not in best or parts["step"] < best[route]["step"]:
+                best[route] = parts
+        loads.append(os.getloadavg()[0])
+    baseline = routes[0]
+    ratios = {route: [s / b for s, b in zip(steps[route], steps[baseline], strict=True)] for route in routes[1:]}
+    first = engines[baseline]
+    result = {
+        "tokens": args.tokens, "threads": args.threads, "rounds": args.rounds,
+        "cpu": torch.backends.cpu.get_cpu_capability(), "cpu_model": detect_cpu().model_name,
+        "weights": first.model.weight_format, "activations": str(first.dtype).removeprefix("torch."),
+        "kv": str(first.kv_dtype).removeprefix("torch."),
+        "plan_prompt_routes": ({key: p.prompt_route for key, p in first.model.kernel_plan.shapes.items()}
+                               if first.model.kernel_plan is not None else None),
+        "caps": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                 if k in os.environ},
+        "load_average_1min": {"min": min(loads), "max": max(loads), "per_round": loads},
+        "ms_per_prefill_best_round": best,
+        "step_ms_per_round": steps,
+        "step_vs_baseline": {route: {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
+                                     "max": round(max(r), 3)} for route, r in ratios.items()},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
