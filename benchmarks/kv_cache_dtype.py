@@ -6,7 +6,7 @@ turns. JSON out.
 Both engines share one load of the bundled model at the engine's defaults (int4 weights, activations by
 machine) but the KV pool: `activations` holds rows in the activations' dtype (bf16, or fp32 on a CPU
 without native bf16), `int8` holds kv_int8.py's rows. `auto_takes` records which of the two
-kv_cache_dtype auto takes on this machine (Engine._choose_kv_dtype). Per round and context, each engine in turn serves a prompt it has not seen (a miss: every round's document differs)
+kv_cache_dtype auto takes on this machine (engine/plan/planner.py: plan_kv). Per round and context, each engine in turn serves a prompt it has not seen (a miss: every round's document differs)
 and decodes --decode-tokens greedily. Reported per context and engine: TTFT and decode tokens/s, best
 and median over the rounds (interference only slows a run down, so best is the cleaner figure), and
 int8's ratio to activations; the longest context's decode rate over the shortest's, best over best and

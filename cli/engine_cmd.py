@@ -32,6 +32,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
+    parser.add_argument("--explain-plan", action="store_true",
+                        help="load the model, print the execution plan (each machine-dependent choice, what decided "
+                        "it and where that came from) and exit 0 without serving")
     add_knob_options(parser, EngineConfig)
     add_knob_options(parser.add_argument_group("speculative decoding"), SpeculativeConfig, dest_prefix=SPECULATIVE_DEST)
     parser.add_argument("--max-body-bytes", type=int, default=server("max_body_bytes"),
@@ -94,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 
+    if args.explain_plan:
+        engine = Engine.from_pretrained(model_path, **kwargs)
+        print("\n".join(engine.plan.explain()))
+        return 0
     # Logging is set up once, by decodectl (cli/common.configure_logging): a root handler here as well
     # printed every decodeservice line twice.
     return serve(settings, engine_factory=lambda: Engine.from_pretrained(model_path, **kwargs),

@@ -294,7 +294,7 @@ class EngineConfig:
     # The KV pool's rows. int8 (CPU): each (slot, head) row is quantized on write to int8 codes with its own
     # fp32 scale (engine/attention/kv_int8.py): ~half a bf16 pool's bytes, so twice the tokens in the same
     # kv_cache_gib, and the long-context decode step reads half the K/V. auto: the activations' dtype, but
-    # int8 where the machine chose fp32 activations for want of native bf16 (Engine._choose_kv_dtype).
+    # int8 where the machine chose fp32 activations for want of native bf16 (engine/plan/planner.py: plan_kv).
     kv_cache_dtype: Literal["auto", "int8"] = knob(
         "auto", help="KV cache rows: auto keeps the activations' dtype (int8 on a CPU without native bf16 "
         "running quantized weights, where they would be fp32); int8 (CPU) stores each row as int8 codes with "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -14,9 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decodeservice.engine.attention import native_decode
-from decodeservice.engine.attention.context_plan import AttentionChoice, choose_attention
-from decodeservice.engine.attention.paged_views import PagedViewsBackend
+from decodeservice.engine.attention.context_plan import AttentionChoice
 from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelConfig, SpeculativeConfig
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -29,13 +26,9 @@ from decodeservice.engine.outputs import (
     RequestOutput,
     SpecDecodeStats,
 )
-from decodeservice.engine.quant import (
-    ActivationChoice,
-    Int4Weight,
-    detect_cpu,
-    plan_kernels,
-    resolve_precision,
-)
+from decodeservice.engine.plan import CpuAttentionPlan, ExecutionPlan
+from decodeservice.engine.plan.planner import execution_plan, plan_attention, plan_kv, plan_speculation
+from decodeservice.engine.quant import ActivationChoice, Int4Weight, plan_kernels, resolve_precision
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
 from decodeservice.engine.sampler import make_generator, process_logits, sample_token, token_logprob
 from decodeservice.engine.sampling_params import SamplingParams
@@ -69,8 +62,8 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = model.activation_dtype
         # The KV pool's: the activations', or int8 rows (attention/kv_int8.py). A draft's pool keeps `dtype`.
-        self.kv_dtype, self.kv_dtype_reason = self._choose_kv_dtype(model)
-        log.info("KV cache: %s (%s)", str(self.kv_dtype).removeprefix("torch."), self.kv_dtype_reason)
+        kv = plan_kv(config, weight_format=model.weight_format, activations=self.dtype, head_dim=model.config.head_dim)
+        self.kv_dtype, self.kv_dtype_reason = kv.dtype, kv.reason
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         num_blocks = self._num_blocks()
@@ -84,11 +77,11 @@ class Engine:
                     weights_owner.pack_weights_for_cpu()
         self.kv = KVCacheManager(num_blocks=num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
+        attention = plan_attention(config, model.config, activations=self.dtype, kv=kv, num_blocks=num_blocks)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
-                                  device=self.device, dtype=self.dtype, compile_step=config.compile,
-                                  cuda_graphs=config.cuda_graphs, kv_dtype=self.kv_dtype,
+                                  device=self.device, dtype=self.dtype, attention=attention,
+                                  compile_step=config.compile, cuda_graphs=config.cuda_graphs, kv_dtype=self.kv_dtype,
                                   deterministic=config.deterministic)
-        self.attention_choice = self._choose_attention_path(model.config, config.block_size)
         self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.spec: SpeculativeDecoder | None = None
@@ -99,16 +92,19 @@ class Engine:
                                                   num_blocks=num_blocks, block_size=config.block_size,
                                                   device=self.device, dtype=self.dtype,
                                                   deterministic=config.deterministic)
-            if config.speculative.draft_row_cost is None:
-                from decodeservice.engine.spec_decode.cost import measure_step_costs
-
-                spec = config.speculative
-                cost = measure_step_costs(self.runner, num_tokens=spec.num_tokens, num_blocks=num_blocks,
-                                          max_batch=min(spec.disable_batch_size - 1, config.max_num_seqs))
-                self.spec.use_measured(cost.curve, row_cost=cost.row_cost)
-                log.info("speculation: one more draft row costs %.3f of a decode step here (%d drafts; step "
-                         "times by batch size and draft rows, measured at start-up in %.1f s: %s)", cost.row_cost,
-                         spec.num_tokens, cost.seconds, cost.curve.describe())
+        speculation = plan_speculation(config, self.runner, num_blocks=num_blocks)
+        if self.spec is not None and speculation is not None and speculation.curve is not None:
+            self.spec.use_measured(speculation.curve, row_cost=speculation.row_cost)
+            log.info("speculation: one more draft row costs %.3f of a decode step here (%d drafts; step "
+                     "times by batch size and draft rows, measured at start-up in %.1f s: %s)", speculation.row_cost,
+                     config.speculative.num_tokens if config.speculative else 0, speculation.seconds,
+                     speculation.curve.describe())
+        # Every machine-dependent choice, made above and handed to each component as it was built.
+        self.plan: ExecutionPlan = execution_plan(
+            config, activations=self.dtype, activations_reason=_activations_reason(model, config), kv=kv,
+            attention=attention, kernels=model.kernel_plan, speculation=speculation)
+        for line in self.plan.explain():
+            log.info("plan: %s", line)
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -116,54 +112,11 @@ class Engine:
         self.generation_tokens_total = 0
 
     # -- construction ------------------------------------------------------------------------------
-    def _choose_kv_dtype(self, model: LlamaModel) -> tuple[torch.dtype, str]:
-        """int8 when asked; under auto, int8 where the machine chose fp32 activations for want of native
-        bf16 (dtype auto, quantized weights, the native kernel built); else the activations' dtype."""
-        config = self.config
-        if config.kv_cache_dtype == "int8":
-            return torch.int8, "kv_cache_dtype int8 was asked for"
-        head_dim = model.config.head_dim
-        if (self.device.type == "cpu" and config.dtype == "auto" and model.weight_format != "none"
-                and self.dtype == torch.float32 and not detect_cpu().native_bf16
-                and native_decode.applies(self.dtype, head_dim) and native_decode.decode_extension() is not None):
-            # fp32 rows hold 3.8x the bytes of int8 ones, and the long-context decode step pays for every
-            # one (benchmarks/kv_cache_dtype.py and long_prompt_quality.py: docs/performance.md#int8-kv-cache).
-            return torch.int8, "auto: fp32 activations for want of native bf16, so int8 rows, not fp32 ones"
-        return self.dtype, "auto: the activations' dtype"
-
-    def _choose_attention_path(self, cfg: ModelConfig, block_size: int) -> AttentionChoice | None:
-        """On CPU: this machine's context length from which a decode leaves the flash kernel for
-        decode_matmul.py (bf16/fp16 KV caches), and whether the native paged-decode kernel takes the
-        step's one-token decodes (attention/context_plan.py)."""
-        backend = self.runner.attention_backend
-        if not isinstance(backend, PagedViewsBackend):
-            return None
-        native = native_decode.decode_extension() if native_decode.applies(self.dtype, cfg.head_dim) else None
-        choice = choose_attention(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                  num_layers=cfg.num_layers, dtype=self.dtype, block_size=block_size, native=native)
-        backend.matmul_from = choice.min_context
-        backend.decode_kernel = native if choice.native_decode else None
-        # Prompt spans take the kernel wherever it is built, measured faster or not: a prefix hit must
-        # compute what the miss computed (paged_views.py's docstring).
-        backend.prompt_kernel = native
-        if self.config.deterministic:
-            if native is None:
-                raise ConfigError(
-                    f"deterministic mode runs every attention row through the native paged-decode kernel, which is "
-                    f"not available here ({str(self.dtype).removeprefix('torch.')} activations, head_dim "
-                    f"{cfg.head_dim}: it takes float32 or bfloat16 and head_dim 32, 64 or 128, and needs a C++ "
-                    "compiler at first start)")
-            backend.decode_kernel = native
-            choice = dataclasses.replace(choice, native_decode=True, source=f"{choice.source}; deterministic: every row")
-        elif self.kv_dtype == torch.int8 and native is not None:
-            # Measured against bf16 pools; over int8 pools the torch paths read a dequantized copy of every
-            # key, so the kernel, which reads the rows in place, is the only fast decode.
-            backend.decode_kernel = native
-            choice = dataclasses.replace(choice, native_decode=True, source=f"{choice.source}; int8 KV pools: always")
-        log.info("attention: decodes over %s keys take the two GEMMs; one-token decodes take %s (%s; per call, us: %s)",
-                 f"{choice.min_context}+" if choice.min_context else "no number of",
-                 "the native kernel" if choice.native_decode else "the torch paths", choice.source, choice.timings_us)
-        return choice
+    @property
+    def attention_choice(self) -> AttentionChoice | None:
+        """CPU: the start-up measurement behind the attention plan (attention/context_plan.py)."""
+        attention = self.plan.attention
+        return attention.choice if isinstance(attention, CpuAttentionPlan) else None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path = "smollm2-135m", **config: Any) -> Engine:
@@ -429,9 +382,14 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     model.tie_weights()
     model.load_hf_weights(weights, int4=int4, weight_format=precision.weights, w8a8=config.w8a8)
     model.rotary.reset_tables(config.device)
-    model.share_step_rows()  # the quantized modules that replaced the projections too
     if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
         model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
                                                                              reason=precision.reason),
                                          deterministic=config.deterministic, compiled=config.compile)
     return model.eval()
+
+
+def _activations_reason(model: LlamaModel, config: EngineConfig) -> str:
+    if model.kernel_plan is not None:
+        return model.kernel_plan.activations.reason
+    return f"dtype {config.dtype}" + (" (float32 on CPU, bfloat16 on CUDA, for dense weights)" if config.dtype == "auto" else "")

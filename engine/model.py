@@ -30,9 +30,8 @@ from decodeservice.engine.quant.linear import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
-    RowPlanned,
 )
-from decodeservice.engine.quant.step_rows import StepRows, tiled_linear
+from decodeservice.engine.quant.step_rows import PLAIN_ROWS, StepRows, tiled_linear
 from decodeservice.engine.quant.w8a8 import quantize_int8
 
 
@@ -42,6 +41,7 @@ class ForwardBatch:
     positions: torch.Tensor  # (N,)
     attn: StepAttention  # where each sequence's keys lie in the pool, and the backend that reads them
     logits_index: torch.Tensor  # (S,) packed rows whose logits are wanted
+    rows: StepRows = PLAIN_ROWS  # which rows are prompt rows, for the projections (quant/step_rows.py)
 
 
 # Attention of one layer over the step's cache: (layer index, q (N, H, D), k, v (N, Hkv, D)) -> (N, H, D).
@@ -58,14 +58,12 @@ class Linear(nn.Linear):
     (`benchmarks/spec_decode.py`'s `draft_row_cost` on fp32 weights)."""
 
     packed: torch.Tensor | None = None
-    step_rows: StepRows = StepRows()  # the model's own once it shares one (LlamaModel.share_step_rows)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed; and no hooks, so no hook dispatch
-        return self.forward(x)
+    def __call__(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:  # typed; no hook dispatch
+        return self.forward(x, rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.step_rows.run(x, prompt=self._tiled, other=self._plain, invariant=self._tiled,
-                                  out_features=self.out_features)
+    def forward(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
+        return rows.run(x, prompt=self._tiled, other=self._plain, invariant=self._tiled, out_features=self.out_features)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -178,10 +176,10 @@ class Attention(nn.Module):
         self.qk_norm = (RMSNorm((cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps)
                         if cfg.qk_norm else None)
 
-    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: StepRows = PLAIN_ROWS
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)  # (N, (H + 2 Hkv) D)
+        qkv = self.qkv_proj(x, rows)  # (N, (H + 2 Hkv) D)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk, v = torch.split(qkv, [self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -194,24 +192,25 @@ class Attention(nn.Module):
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer_index: int,
-                 attend_layer: AttendLayer) -> torch.Tensor:  # typed, no hook dispatch
-        return self.forward(x, rope, layer_index, attend_layer)
+                 attend_layer: AttendLayer, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:  # typed, no hook dispatch
+        return self.forward(x, rope, layer_index, attend_layer, rows)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer_index: int,
-                attend_layer: AttendLayer) -> torch.Tensor:
+                attend_layer: AttendLayer, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
         # x: (N, C)
-        q, k, v = self.project(x, rope)
+        q, k, v = self.project(x, rope, rows)
         attended = attend_layer(layer_index, q, k, v)  # (N, H, D)
-        return self.o_proj(attended.reshape(x.shape[0], self.q_size))
+        return self.o_proj(attended.reshape(x.shape[0], self.q_size), rows)
 
-    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: StepRows = PLAIN_ROWS
+                      ) -> torch.Tensor:
         # x: (T, C), one sequence, no cache
-        q, k, v = self.project(x, rope)
+        q, k, v = self.project(x, rope, rows)
         attended = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, enable_gqa=True,
         )  # (1, H, T, D)
-        return self.o_proj(attended[0].transpose(0, 1).reshape(x.shape[0], self.q_size))
+        return self.o_proj(attended[0].transpose(0, 1).reshape(x.shape[0], self.q_size), rows)
 
 
 class MLP(nn.Module):
@@ -221,12 +220,12 @@ class MLP(nn.Module):
         self.gate_up_proj: Projection = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj: Projection = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed, no hook dispatch
-        return self.forward(x)
+    def __call__(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:  # typed, no hook dispatch
+        return self.forward(x, rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.split(self.gate_up_proj(x), self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
+        gate, up = torch.split(self.gate_up_proj(x, rows), self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -254,9 +253,6 @@ class LlamaModel(nn.Module):
             head.weight = embed.weight
         self.lm_head: Projection = head
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors)
-        # What the running step holds, for the projections' row plans (set by the runner).
-        self.step_rows = StepRows()
-        self.share_step_rows()
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -267,12 +263,6 @@ class LlamaModel(nn.Module):
     def weight_format(self) -> str:
         head = self.lm_head
         return "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, Int8Linear) else "none"
-
-    def share_step_rows(self) -> None:
-        """Point every projection at this model's StepRows."""
-        for module in self.modules():
-            if isinstance(module, (RowPlanned, Linear)):
-                module.step_rows = self.step_rows
 
     def tie_weights(self) -> None:
         """Point a plain tied head at the embedding again (after `to_empty`, which unties them)."""
@@ -294,37 +284,40 @@ class LlamaModel(nn.Module):
             return attend(q, k, v, *kv_caches[i], batch.attn)
 
         return self.run_layers(batch.input_ids, batch.positions, batch.logits_index, attend_layer,
-                               num_layers=self.layers_to_run(num_layers, kv_caches))
+                               num_layers=self.layers_to_run(num_layers, kv_caches), rows=batch.rows)
 
     def layers_to_run(self, num_layers: int | None, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """The first L layers a forward runs: `num_layers` (all when None), no more than there are caches."""
         return min(num_layers or self.config.num_layers, len(kv_caches))
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
-                   attend_layer: AttendLayer, *, num_layers: int) -> torch.Tensor:
-        """The forward on plain tensors, attention behind `attend_layer`: what torch.compile traces."""
+                   attend_layer: AttendLayer, *, num_layers: int, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
+        """The forward on plain tensors, attention behind `attend_layer`: what torch.compile traces.
+        `rows`: the step's row split, for every projection (quant/step_rows.py)."""
         h = self.embed_tokens(input_ids)  # (N, C)
         rope = self.rotary.tables(positions, h.dtype)
         for i, layer in enumerate(self.decoder_layers()[:num_layers]):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, i, attend_layer)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, i, attend_layer, rows)
+            h = h + layer.mlp(layer.post_attention_layernorm(h), rows)
         hidden: torch.Tensor = self.norm(h[logits_index])  # (S, C)
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (S, V)
+    def compute_logits(self, hidden: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
+        """`rows`: the head's (StepRows(deterministic=True) in deterministic mode; no prompt rows here)."""
+        return self.lm_head(hidden, rows).float()  # (S, V)
 
     @torch.inference_mode()
-    def forward_dense(self, input_ids: torch.Tensor, *, num_layers: int | None = None) -> torch.Tensor:
-        """Reference path: logits (T, V) for one sequence (T,), recomputing everything."""
+    def forward_dense(self, input_ids: torch.Tensor, *, num_layers: int | None = None,
+                      rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
+        """Reference path: logits (T, V) for one sequence (T,), recomputing everything; `rows` as a step's."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         h = self.embed_tokens(input_ids)  # (T, C)
         rope = self.rotary.tables(positions, h.dtype)
         for layer in self.decoder_layers()[:num_layers]:
-            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), rope)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.compute_logits(self.norm(h))
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), rope, rows)
+            h = h + layer.mlp(layer.post_attention_layernorm(h), rows)
+        return self.compute_logits(self.norm(h), rows)
 
     def pack_weights_for_cpu(self) -> int:
         """Pre-pack every projection for oneDNN when the model runs fp32 on CPU; idempotent.

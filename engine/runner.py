@@ -29,6 +29,8 @@ from decodeservice.engine.compiled_step import MAX_ROWS, CompiledStep
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
+from decodeservice.engine.plan.execution import AttentionPlan
+from decodeservice.engine.quant.step_rows import StepRows
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
 from decodeservice.engine.sequence import Sequence
@@ -51,18 +53,6 @@ class StepLogits:
     argmax: list[list[int] | None] | None = None
 
 
-# SpeculativeConfig.draft_row_cost's bound is < 1; a row dearer than a whole step never pays anyway.
-ROW_COST_CEILING = 0.99
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyCost:
-    drafts: int
-    plain_ms: float  # one sequence's one-row step
-    verify_ms: float  # the same with `drafts` draft rows
-    row_cost: float  # (verify_ms - plain_ms) / (drafts x plain_ms)
-
-
 def kv_row_shape(cfg: ModelConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
     """(Hkv, row width) of one slot in the pool: an int8 pool's rows carry their scale (kv_int8.py)."""
     return cfg.num_kv_heads, kv_int8.row_width(cfg.head_dim) if kv_dtype == torch.int8 else cfg.head_dim
@@ -77,9 +67,12 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, nu
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, num_layers: int | None = None,
-                 attention_backend: AttentionBackend | None = None, compile_step: bool = False,
-                 cuda_graphs: bool = False, kv_dtype: torch.dtype | None = None, deterministic: bool = False) -> None:
+                 attention: AttentionPlan | None = None, attention_backend: AttentionBackend | None = None,
+                 compile_step: bool = False, cuda_graphs: bool = False, kv_dtype: torch.dtype | None = None,
+                 deterministic: bool = False) -> None:
         """`dtype`: the activations'; `kv_dtype`: the pool's, `dtype` when None, or int8 (kv_int8.py).
+        `attention`: the engine's plan for it (engine/plan), from which the backend is built; else
+        `attention_backend` as given, else the device's default backend (backend_for).
         `deterministic` (EngineConfig.deterministic): every row of every step takes its row-invariant path,
         in the projections (step_rows.StepRows) and in attention (the CPU backend's kernel row per token)."""
         cfg = model.config
@@ -89,15 +82,20 @@ class ModelRunner:
         self.dtype = dtype
         self.deterministic = deterministic
         self.num_layers = num_layers or cfg.num_layers
+        if attention is not None:
+            from decodeservice.engine.plan.planner import build_backend
+
+            attention_backend = build_backend(attention, num_blocks=num_blocks, block_size=block_size, device=device)
         self.attention_backend = attention_backend or backend_for(device, num_blocks=num_blocks, block_size=block_size,
                                                                   deterministic=deterministic)
         self.kv_dtype = kv_dtype or dtype
-        if self.kv_dtype == torch.int8:
-            if not isinstance(self.attention_backend, (PagedViewsBackend, GatherBackend)) or cuda_graphs:
-                raise ValueError(f"int8 KV pools need the CPU or gather attention backend, not "
-                                 f"{self.attention_backend.name}{' with CUDA graphs' if cuda_graphs else ''}")
-            if isinstance(self.attention_backend, PagedViewsBackend):
-                self.attention_backend.kv_int8 = True
+        backend = self.attention_backend
+        if self.kv_dtype == torch.int8 and (cuda_graphs or not (
+                isinstance(backend, GatherBackend) or (isinstance(backend, PagedViewsBackend) and backend.kv_int8))):
+            raise ValueError(f"int8 KV pools need the gather backend or the CPU one planned for them (kv_int8), not "
+                             f"{backend.name}{' with CUDA graphs' if cuda_graphs else ''}")
+        # The head's rows: no prompt rows among them; in deterministic mode their one path.
+        self.head_rows = StepRows(deterministic=deterministic)
         shape = (num_blocks, block_size, *kv_row_shape(cfg, self.kv_dtype))
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
@@ -130,20 +128,8 @@ class ModelRunner:
             return _split(logits, [1] * logits.shape[0], plan)
         batch, row_counts = self.build_batch(plan.scheduled)
         forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
-        # Prompt chunks only (no sequence decodes or verifies its last token): see linear.StepRows.
-        step_rows = self.model.step_rows
-        step_rows.prompt_only = all(item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in plan.scheduled)
-        step_rows.prompt_rows, step_rows.other_rows = _prompt_rows(batch.attn.meta.spans, device=self.device)
-        # Per step, as the rows are: engines of both modes may share one model's weights (tests do).
-        step_rows.deterministic = self.deterministic
-        try:
-            try:
-                hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
-            finally:
-                step_rows.prompt_only, step_rows.prompt_rows, step_rows.other_rows = False, None, None
-            logits = self.model.compute_logits(hidden)  # deterministic mode: the head's rows take their one path
-        finally:
-            step_rows.deterministic = False
+        hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
+        logits = self.model.compute_logits(hidden, self.head_rows)  # deterministic mode: the head's one path
         return _split(logits, row_counts, plan)
 
     def _warm_up(self) -> None:
@@ -161,30 +147,6 @@ class ModelRunner:
                                   num_new_tokens=1, num_spec_tokens=0)
                 for i in range(rows)]
             self.execute(SchedulerPlan(scheduled=scheduled))
-
-    def verify_row_cost(self, *, drafts: int, rounds: int = 5) -> VerifyCost:
-        """What one more verified draft costs here, as a fraction of a one-row decode step: one sequence's
-        step with `drafts` draft rows against its step without, interleaved so that the machine's load
-        hits both alike, min over `rounds`. Run before any request: the sequence writes its K/V into the
-        first blocks, which are free then (as in _warm_up)."""
-        blocks = list(range(cdiv(1 + drafts, self.block_size)))
-        seq = Sequence(request_id="verify-cost", prompt_token_ids=[0], params=SamplingParams(max_tokens=drafts + 1),
-                       block_ids=blocks)
-        seq.spec_token_ids = [0] * drafts  # any tokens: only the time is measured
-
-        def step_ms(k: int) -> float:
-            plan = SchedulerPlan(scheduled=[ScheduledSequence(seq=seq, num_new_tokens=1 + k, num_spec_tokens=k)])
-            start = time.perf_counter()
-            self.execute(plan)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return (time.perf_counter() - start) * 1000
-
-        step_ms(0), step_ms(drafts)  # first calls pay for kernel selection and allocation
-        samples = [(step_ms(0), step_ms(drafts)) for _ in range(rounds)]
-        plain, verify = min(a for a, _ in samples), min(b for _, b in samples)
-        return VerifyCost(drafts=drafts, plain_ms=plain, verify_ms=verify,
-                          row_cost=min(max(verify - plain, 0.0) / (drafts * plain), ROW_COST_CEILING))
 
     def build_batch(self, scheduled: list[ScheduledSequence]) -> tuple[ForwardBatch, list[int]]:
         input_ids: list[int] = []
@@ -214,11 +176,18 @@ class ModelRunner:
                 prompt=item.num_spec_tokens == 0 and (count > 1 or first < seq.num_prompt_tokens)))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  spans=tuple(spans), block_size=bs)
+        prompt_rows, other_rows = _prompt_rows(meta.spans, device=self.device)
+        # The step's own row split, handed down its forward (quant/step_rows.py). prompt_only: no sequence
+        # decodes or verifies its last token. Per step, as the rows are: engines of both modes may share
+        # one model's weights (tests do).
+        rows = StepRows(prompt_only=all(item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in scheduled),
+                        prompt_rows=prompt_rows, other_rows=other_rows, deterministic=self.deterministic)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attn=StepAttention(meta=self.attention_backend.plan(meta, dtype=self.dtype), backend=self.attention_backend),
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=self.device),
+            rows=rows,
         )
         return batch, row_counts
 

@@ -12,7 +12,7 @@ if [ $# -eq 0 ]; then
     # native bf16 (so the engine picks fp32 activations) and MKL's AVX2 GEMMs. See engine/quant/cpu.py.
     # The native kernels build for AVX2 there too: the paged-decode attention (fp32 caches) and the
     # compiled step over them (where a native call dynamo cannot trace once crashed the trace). There the
-    # default engine's KV pool is int8 rows (Engine._choose_kv_dtype).
+    # default engine's KV pool is int8 rows (engine/plan/planner.py: plan_kv).
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python -P -m pytest -q \
         tests/engine/quant tests/engine/test_quantized.py tests/engine/attention/test_native_decode.py \
         tests/engine/attention/test_context_plan.py tests/engine/test_compiled_step.py \

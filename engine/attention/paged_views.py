@@ -168,19 +168,22 @@ class PagedViewsBackend:
     name = "paged_views"
 
     def __init__(self, *, matmul_from: int | None = decode_matmul.MIN_CONTEXT,
-                 decode_kernel: ModuleType | None = None, deterministic: bool = False) -> None:
+                 decode_kernel: ModuleType | None = None, prompt_kernel: ModuleType | None = None,
+                 kv_int8: bool = False, kernel_max_new: int = native_decode.MAX_NEW,
+                 deterministic: bool = False) -> None:
+        """Every choice is the engine's plan (engine/plan), handed down here once; nothing changes after."""
         self.matmul_from = matmul_from  # see attend_span; None is the flash kernel only (an A/B baseline)
         # native_decode.decode_extension() where it takes one-token decodes (fp32/bf16 caches, int8 pools)
         self.decode_kernel = decode_kernel
-        # The pools hold int8 rows (kv_int8.py; set by the runner that allocates them): decodes take the
-        # native kernel, every other span a dequantized copy of its keys (see _attend_int8).
-        self.kv_int8 = False
+        # The pools hold int8 rows (kv_int8.py): decodes take the native kernel, every other span a
+        # dequantized copy of its keys (see _attend_int8).
+        self.kv_int8 = kv_int8
         # Spans of up to this many new tokens (decodes and verifies) take the native kernel, a row per
         # token; longer ones the torch paths. 1: decodes only (an A/B baseline).
-        self.kernel_max_new = native_decode.MAX_NEW
-        # The same kernel for every prompt span (see the module's docstring), set by the engine wherever it
-        # is built, whether or not decodes take it; None: prompts take the torch paths.
-        self.prompt_kernel: ModuleType | None = None
+        self.kernel_max_new = kernel_max_new
+        # The same kernel for every prompt span (see the module's docstring), wherever it is built, whether
+        # or not decodes take it; None: prompts take the torch paths.
+        self.prompt_kernel = prompt_kernel
         # Every span through the kernel (the module's docstring); the engine refuses the mode where the
         # kernel is not built.
         self.deterministic = deterministic

@@ -24,7 +24,7 @@ from decodeservice.engine.quant.native import (
     tile_codes,
 )
 from decodeservice.engine.quant.prompt_weights import Int8Copy
-from decodeservice.engine.quant.step_rows import StepRows, tiled_linear
+from decodeservice.engine.quant.step_rows import PLAIN_ROWS, StepRows, tiled_linear
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
 
 
@@ -72,7 +72,6 @@ class RowPlanned(nn.Module):
     out_features: int
     dense_from: int | None
     w8a8_from: int | None
-    step_rows: StepRows = StepRows()  # a model's own once it shares one (LlamaModel.share_step_rows)
     # Prompt rows' dense weights, dequantized once and packed for oneDNN, where the kernel plan measured
     # them faster than the prompt path's other routes within its memory rule (kernel_plan.py); None:
     # prompt rows dequantize per call or take the weight-only kernel.
@@ -103,14 +102,15 @@ class RowPlanned(nn.Module):
     def has_w8a8(self) -> bool:
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed, and no hook dispatch per call
-        return self.forward(x)
+    def __call__(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:  # typed, no hook dispatch
+        return self.forward(x, rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
+        """`rows`: the step's row split (step_rows.StepRows), handed down the forward by the runner."""
         # x: (..., K) -> (..., N); the kernels take 2-D contiguous rows
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = self.step_rows.run(flat, prompt=self.prompt_path, other=self.by_rows, invariant=self.invariant_rows,
-                                 out_features=self.out_features)
+        out = rows.run(flat, prompt=self.prompt_path, other=self.prompt_only_rows if rows.prompt_only else self.by_rows,
+                       invariant=self.invariant_rows, out_features=self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def invariant_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -120,14 +120,18 @@ class RowPlanned(nn.Module):
         weight = self.dense_weight(flat.dtype)
         return tiled_linear(flat, lambda rows: F.linear(rows, weight))
 
-    def by_rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """Decode and verify rows: the path this machine's plan gives their count."""
+    def by_rows(self, flat: torch.Tensor, *, prompt_only: bool = False) -> torch.Tensor:
+        """Decode and verify rows: the path this machine's plan gives their count (`prompt_only`: a step of
+        prompt rows only, StepRows.prompt_only)."""
         rows = flat.shape[0]
         if self.w8a8_from is not None and rows >= self.w8a8_from:
             return self.w8a8(flat)
-        if self.takes_dense(rows):
+        if self.takes_dense(rows, prompt_only=prompt_only):
             return F.linear(flat, self.dense_weight(flat.dtype))
         return self.weight_only_rows(flat)
+
+    def prompt_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.by_rows(flat, prompt_only=True)
 
     def prompt_path(self, flat: torch.Tensor) -> torch.Tensor:
         """Prompt rows: one path whatever their count (StepRows). The packed dense copy where the plan keeps
@@ -150,10 +154,10 @@ class RowPlanned(nn.Module):
         """(M, K) rows in the activations' dtype -> (M, N) the same dtype, through the weight-only kernel."""
         return self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
 
-    def takes_dense(self, rows: int) -> bool:
+    def takes_dense(self, rows: int, *, prompt_only: bool = False) -> bool:
         if self.dense_from is None:
             return False
-        if self.dense_from == 1 or self.step_rows.prompt_only:
+        if self.dense_from == 1 or prompt_only:
             return rows >= self.dense_from
         return rows >= max(self.dense_from, DENSE_MIN_ROWS)
 

@@ -1,5 +1,6 @@
 """What a step's rows are, for the projections: which are prompt rows, and whether every row takes one
-path (deterministic mode). The runner fills the model's StepRows each step; every projection reads it."""
+path (deterministic mode). The runner builds one StepRows per step and hands it down the forward
+(ForwardBatch.rows) to every projection; nothing holds it between steps."""
 
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ def tiled_linear(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]
     return linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]))[: x.shape[0]]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class StepRows:
-    """What the forward running now holds, shared by a model's projections (LlamaModel.step_rows, set by
-    the runner every step).
+    """What one forward's rows are, built by the runner for its step and passed to every projection.
 
     `prompt_only`: prompt rows only, no decode or verify row, so the dense path may take a chunk of fewer
     than DENSE_MIN_ROWS rows (a prompt's last chunk, often short) where it measured faster: no decoded
@@ -62,3 +62,8 @@ class StepRows:
         out[self.prompt_rows] = prompt(flat.index_select(0, self.prompt_rows))
         out[self.other_rows] = other(flat.index_select(0, self.other_rows))
         return out
+
+
+# A forward with no prompt row and the default paths: a projection called outside a step (tests, the
+# dense reference, the head of a default-mode step).
+PLAIN_ROWS = StepRows()

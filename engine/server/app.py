@@ -300,6 +300,7 @@ async def models(request: Request) -> Response:
         if (attention := engine.attention_choice) is not None:  # CPU: where decode_matmul.py takes over, the native kernel
             card["attention"] = {"matmul_from_keys": attention.min_context, "native_decode": attention.native_decode,
                                  "source": attention.source}
+        card["plan"] = engine.plan.describe()  # every machine-dependent choice, as `decodectl engine --explain-plan`
         if engine.spec is not None:  # measured at start-up unless configured: what sets the drafts' k
             spec = engine.spec
             card["speculative"] = {"method": spec.config.method, "draft_row_cost": round(spec.row_cost, 4),

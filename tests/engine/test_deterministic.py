@@ -34,6 +34,7 @@ from decodeservice.engine import (
 from decodeservice.engine.attention import native_decode
 from decodeservice.engine.engine import build_model
 from decodeservice.engine.loader import load_model
+from decodeservice.engine.quant.step_rows import StepRows
 from tests.conftest import ModelBundle
 from tests.engine.test_server_harness import running_server
 
@@ -131,13 +132,10 @@ def test_a_projection_row_is_the_same_in_any_call(bundle: ModelBundle, name: str
     # The mode's one path per row: 1, 3, 16, 17 or 100 rows a call, a row's numbers are its own.
     module = bundle.model.get_submodule(name)
     x = torch.randn(100, module.in_features, generator=torch.Generator().manual_seed(0)).to(bundle.model.activation_dtype)
-    bundle.model.step_rows.deterministic = True
-    try:
-        whole = module(x)
-        for rows in (slice(0, 1), slice(7, 10), slice(20, 36), slice(40, 57), slice(99, 100)):
-            assert torch.equal(module(x[rows]), whole[rows]), rows
-    finally:
-        bundle.model.step_rows.deterministic = False
+    deterministic = StepRows(deterministic=True)
+    whole = module(x, deterministic)
+    for rows in (slice(0, 1), slice(7, 10), slice(20, 36), slice(40, 57), slice(99, 100)):
+        assert torch.equal(module(x[rows], deterministic), whole[rows]), rows
 
 
 def test_beside_three_streams_in_small_chunks_is_alone(bundle: ModelBundle, alone: Callable[..., Any]) -> None:

@@ -27,6 +27,7 @@ from decodeservice.engine.quant import (
 from decodeservice.engine.quant.cpu import detect_cpu
 from decodeservice.engine.quant.int4 import QUANTIZE_ROWS, pack_nibbles, unpack_nibbles
 from decodeservice.engine.quant.linear import DENSE_ROWS
+from decodeservice.engine.quant.step_rows import StepRows
 from tests.conftest import ModelBundle
 from tests.engine.test_loader import write_tiny_gguf
 
@@ -170,14 +171,10 @@ def test_tiny_quantized_model(tmp_path: Path, fmt: str) -> None:
     # whatever their count, StepRows), the decoded tokens' rows as decode rows.
     out = quant.generate([ids.tolist()], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     seq = ids.tolist()
-    rows = quant.model.step_rows
     for _ in range(12):
-        rows.prompt_rows = torch.arange(len(ids))
-        rows.other_rows = torch.arange(len(ids), len(seq)) if len(seq) > len(ids) else None
-        try:
-            seq.append(int(quant.model.forward_dense(torch.tensor(seq))[-1].argmax()))
-        finally:
-            rows.prompt_rows = rows.other_rows = None
+        rows = StepRows(prompt_rows=torch.arange(len(ids)),
+                        other_rows=torch.arange(len(ids), len(seq)) if len(seq) > len(ids) else None)
+        seq.append(int(quant.model.forward_dense(torch.tensor(seq), rows=rows)[-1].argmax()))
     assert out.token_ids == seq[len(ids):]
 
 

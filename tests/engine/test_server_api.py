@@ -243,6 +243,9 @@ def test_models_tokenize_health_ready(srv: RunningServer, bundled: ModelBundle) 
         card = http.get("/v1/models").json()["data"][0]
         assert card["id"] == MODEL and card["kv_cache_dtype"] in ("bfloat16", "float32", "int8")
         assert card["kv_cache_dtype_reason"].startswith("auto: ")  # the default
+        plan = card["plan"]  # the engine's execution plan, as `decodectl engine --explain-plan` prints it
+        assert plan["device"] == "cpu" and plan["kv_cache"]["dtype"] == card["kv_cache_dtype"]
+        assert plan["attention"]["backend"] == "paged_views" and plan["step"]["executor"] == "eager"
         assert http.get("/health").status_code == 200
         assert http.get("/ready").status_code == 200
         by_prompt = http.post("/tokenize", json={"prompt": PROMPT}).json()

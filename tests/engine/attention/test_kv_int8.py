@@ -41,8 +41,7 @@ def dense_over_pool(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 def int8_step(dtype: torch.dtype, backend: AttentionBackend, *, head_dim: int
               ) -> tuple[StepAttention, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     step, q, k, v, k_cache, v_cache, _ = build_step(dtype, backend, head_dim=head_dim)
-    if isinstance(backend, PagedViewsBackend):
-        backend.kv_int8 = True
+    assert not isinstance(backend, PagedViewsBackend) or backend.kv_int8  # told so at construction, as the engine does
     planned = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
     return planned, q, k, v, kv_int8.pack_rows(k_cache), kv_int8.pack_rows(v_cache)
 
@@ -58,9 +57,9 @@ def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, 
         backend, head_dim = GatherBackend(), 8
     else:
         module = request.getfixturevalue("kernel") if backend_name.startswith("paged_views_native") else None
-        backend, head_dim = PagedViewsBackend(matmul_from=64, decode_kernel=module), 64
-        if backend_name == "paged_views_native_decodes":
-            backend.kernel_max_new = 1  # verifies and chunks over a dequantized copy of their prefix
+        # paged_views_native_decodes: verifies and chunks over a dequantized copy of their prefix
+        backend, head_dim = PagedViewsBackend(matmul_from=64, decode_kernel=module, kv_int8=True, kernel_max_new=1
+                                              if backend_name == "paged_views_native_decodes" else native_decode.MAX_NEW), 64
     step, q, k, v, k_pool, v_pool = int8_step(dtype, backend, head_dim=head_dim)
     out = attend(q, k, v, k_pool, v_pool, step)
     assert k_pool.dtype == torch.int8 and k_pool.shape[-1] == kv_int8.row_width(head_dim)
@@ -77,7 +76,7 @@ def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, 
 
 def test_int8_pools_are_not_batched_into_the_short_group() -> None:
     # The short group and the single-run path read the pool as values; over int8 rows they would read codes.
-    step, *_ = int8_step(torch.bfloat16, PagedViewsBackend(), head_dim=8)
+    step, *_ = int8_step(torch.bfloat16, PagedViewsBackend(kv_int8=True), head_dim=8)
     assert step.meta.short_group is None and step.meta.single_run is None
 
 

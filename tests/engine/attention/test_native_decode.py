@@ -105,8 +105,7 @@ def test_the_backend_hands_it_the_short_spans_and_the_rest_to_torch(kernel: Modu
                                                                     atol: float, max_new: int) -> None:
     # The mixed step of test_backends (decodes, verifies, prompt chunks; scattered and contiguous tables):
     # spans of up to max_new tokens go to the kernel in one call, a row per token; the rest to torch.
-    backend = PagedViewsBackend(decode_kernel=kernel)
-    backend.kernel_max_new = max_new
+    backend = PagedViewsBackend(decode_kernel=kernel, kernel_max_new=max_new)
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, head_dim=64)
     planned = backend.plan(step.meta, dtype=dtype)
     taken = [i for i, (num_new, _, _) in enumerate(SEQUENCES) if num_new <= max_new]

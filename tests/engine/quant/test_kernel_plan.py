@@ -185,17 +185,16 @@ def test_the_dense_path_takes_short_prompt_chunks_but_never_a_decode_step() -> N
 
     assert DENSE_MIN_ROWS > MAX_ROWS
     module = Int4Linear(quantize_int4(gaussian(192, 64, 8)), dtype=torch.float32)
-    module.step_rows = StepRows()
     module.set_row_plan(dense_from=16, w8a8_from=None)  # as a plan that measured dense faster from 16 rows
     x = gaussian(MAX_ROWS, 64, 9)
     weight_only = module.weight_only(x.to(torch.bfloat16)).float()
     dense = F.linear(x, module.dense_weight(torch.float32))
     assert not torch.equal(weight_only, dense)  # the two paths are told apart by their bits
     assert torch.equal(module(x), weight_only)  # a decode step of MAX_ROWS rows: weight-only
-    module.step_rows.prompt_only = True
-    assert torch.equal(module(x), dense)  # the same rows as a prompt chunk: dense
-    assert torch.equal(module(x[:15]), module.weight_only(x[:15].to(torch.bfloat16)).float())  # below the plan's 16
-    module.step_rows.prompt_only = False
+    prompt_only = StepRows(prompt_only=True)
+    assert torch.equal(module(x, prompt_only), dense)  # the same rows as a prompt chunk: dense
+    # below the plan's 16
+    assert torch.equal(module(x[:15], prompt_only), module.weight_only(x[:15].to(torch.bfloat16)).float())
     module.set_row_plan(dense_from=1, w8a8_from=None)  # the kernel failed its self-check: everything dense
     assert torch.equal(module(x[:1]), F.linear(x[:1], module.dense_weight(torch.float32)))
 
@@ -203,25 +202,25 @@ def test_the_dense_path_takes_short_prompt_chunks_but_never_a_decode_step() -> N
 def test_the_runner_marks_prompt_only_steps(tmp_path: Path) -> None:
     """What the runner tells the modules, step by step, on a tiny int4 model."""
     from decodeservice.engine import Engine, SamplingParams
+    from decodeservice.engine.model import ForwardBatch
     from decodeservice.engine.quant.linear import StepRows
+    from decodeservice.engine.scheduler import ScheduledSequence
     from tests.engine.test_loader import write_tiny_gguf
 
     path, _, _ = write_tiny_gguf(tmp_path / "t.gguf", tied=True)
     engine = Engine.from_pretrained(str(path), quantization="int4", kv_cache_gib=0.01, max_num_batched_tokens=16)
-    model = engine.model
-    assert all(m.step_rows is model.step_rows for m in model.modules() if isinstance(m, Int4Linear))
-    told: list[bool] = []
+    told: list[StepRows] = []
+    build_batch = engine.runner.build_batch
 
-    class Recording(StepRows):
-        def __setattr__(self, name: str, value: object) -> None:
-            if name == "prompt_only":  # the step's prompt row indices are set beside it
-                told.append(bool(value))
-            super().__setattr__(name, value)
+    def recording(scheduled: list[ScheduledSequence]) -> tuple[ForwardBatch, list[int]]:
+        batch, row_counts = build_batch(scheduled)
+        told.append(batch.rows)  # the step's own rows, handed down its forward
+        return batch, row_counts
 
-    model.step_rows = Recording()
-    model.share_step_rows()
-    told.clear()
+    engine.runner.build_batch = recording  # type: ignore[method-assign]
     engine.generate([[3, 4, 5, 6, 7] * 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     # 40 prompt tokens in chunks of 16: three prompt-only steps (the last, of 8 rows, samples the first
-    # token), then two decode steps; the flag is down again after every step
-    assert told == [True, False] * 3 + [False, False] * 2
+    # token), then two decode steps
+    assert [rows.prompt_only for rows in told] == [True] * 3 + [False] * 2
+    assert [None if rows.prompt_rows is None else rows.prompt_rows.shape[0] for rows in told] == [16, 16, 8, None, None]
+    assert all(rows.other_rows is None and not rows.deterministic for rows in told)

@@ -1,0 +1,105 @@
+"""The engine at a base revision against the working tree, on benchmarks/decode_step.py: one decode step at
+1 and 32 streams and a verify's step, in interleaved rounds (the order alternating), both CPU dispatches.
+JSON out, with each round's after/before ratio, their median and range, and the load average.
+
+    .venv/bin/python -P benchmarks/plan_before_after.py --base REV [--rounds 3] [--dispatches native,avx2] --out FILE
+
+The base is `git archive REV engine`, imported in its children in place of the editable install (its
+`decodeservice.engine` comes first on PYTHONPATH); both sides run this tree's decode_step.py, whose calls
+(Engine.from_pretrained, runner.execute, step) both revisions share. Ratios below 1 are the tree faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dispatches import AVX2_CAPS
+
+ROOT = Path(__file__).resolve().parents[1]
+# (name, path into decode_step.py's JSON): milliseconds, lower is better
+FIGURES = {
+    "step_ms_1_stream": ("profile", "2_threads", "batch_1", "wall_ms_per_step"),
+    "step_ms_32_streams": ("profile", "2_threads", "batch_32", "wall_ms_per_step"),
+    "verify_step_ms_0_drafts": ("verify_row_cost", "step_ms_by_drafts", "0"),
+    "verify_step_ms_4_drafts": ("verify_row_cost", "step_ms_by_drafts", "4"),
+}
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def export(rev: str, into: Path) -> Path:
+    """`rev`'s engine/ as `into`/decodeservice/engine."""
+    target = into / "decodeservice"
+    target.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev, "engine"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return into
+
+
+def run_side(pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, Any]:
+    env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {})}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    started, load = time.perf_counter(), load_average()
+    subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "decode_step.py"), "--threads", "2", "--out",
+                    str(out)], env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    figures: dict[str, Any] = {}
+    for name, keys in FIGURES.items():
+        value: Any = result
+        for key in keys:
+            value = value[key]
+        figures[name] = value
+    return {"figures": figures, "load_average_before": load, "load_average_after": load_average(),
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--base", required=True, help="git revision of the engine to compare against")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dispatches", default="native,avx2")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    report: dict[str, Any] = {"base": args.base, "tree_head": head.strip(), "rounds": args.rounds,
+                              "cpu": next((line.split(":", 1)[1].strip() for line in
+                                           Path("/proc/cpuinfo").read_text().splitlines()
+                                           if line.startswith("model name")), "unknown"),
+                              "by_dispatch": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        base_path = export(args.base, Path(tmp) / "base")
+        for dispatch in args.dispatches.split(","):
+            rounds = []
+            for r in range(args.rounds):
+                order = ("before", "after") if r % 2 == 0 else ("after", "before")
+                sides = {side: run_side(base_path if side == "before" else None, dispatch,
+                                        Path(tmp) / f"{dispatch}-{r}-{side}.json") for side in order}
+                rounds.append({"order": list(order), **sides})
+                print(f"{dispatch} round {r}: " + ", ".join(
+                    f"{side} {sides[side]['figures']}" for side in order), file=sys.stderr, flush=True)
+            ratios = {name: [x["after"]["figures"][name] / x["before"]["figures"][name] for x in rounds]
+                      for name in FIGURES}
+            report["by_dispatch"][dispatch] = {
+                "rounds": rounds,
+                "after_over_before": {name: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
+                                             "max": round(max(v), 3)} for name, v in ratios.items()}}
+            args.out.write_text(json.dumps(report, indent=1) + "\n")  # partial results survive a cut run
+    print(json.dumps({d: v["after_over_before"] for d, v in report["by_dispatch"].items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
