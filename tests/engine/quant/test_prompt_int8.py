@@ -31,6 +31,8 @@ def int8_module(dtype: torch.dtype) -> Int4Linear:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prompt_rows_on_the_int8_copy_compute_the_weights_and_their_own_bits_at_any_count(dtype: torch.dtype) -> None:
+    if not int8_gemm_is_exact():  # the plan never races it there (the last test): its sums may saturate
+        pytest.skip("torch._int_mm is not exact on this dispatch (no VNNI / AMX-INT8 in use)")
     module = int8_module(dtype)
     x = gaussian(40, 128, 1).to(dtype)
     full = module.prompt_path(x)
@@ -38,9 +40,8 @@ def test_prompt_rows_on_the_int8_copy_compute_the_weights_and_their_own_bits_at_
     reference = x.float() @ module.dense_weight(torch.float32).t()
     error = float((full.float() - reference).norm() / reference.norm())
     assert error < 0.03  # int8 rows and int8 weights: ~1% each on gaussian data
-    if int8_gemm_is_exact():  # exact int32 sums: a row's result is its own
-        for count in (1, 3, 17, 33):
-            assert torch.equal(module.prompt_path(x[-count:]), full[-count:])
+    for count in (1, 3, 17, 33):  # exact int32 sums and per-row scales: a row's result is its own
+        assert torch.equal(module.prompt_path(x[-count:]), full[-count:])
     assert self_check("layers.0.mlp.down_proj", module, dtype=dtype) == []
     assert module.prompt_int8 is not None
     module.pack_prompt_int8(False)
