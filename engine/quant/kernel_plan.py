@@ -331,11 +331,11 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
         module.set_row_plan(dense_from=dense_from, w8a8_from=w8a8_from)  # the prompt path as planned
         best: Callable[[torch.Tensor], torch.Tensor] = module.prompt_path
         if prompt_weights.supported(dtype):
-            dense = module.dense_weight(dtype)
-            prompt_packed, packed_timings = prompt_weights.race(module.prompt_path, dense, x, time_ms=_time_ms)
+            weight = module.dense_weight(dtype)
+            prompt_packed, packed_timings = prompt_weights.race(module.prompt_path, weight, x, time_ms=_time_ms)
             timings.update({f"prompt_{path}": rungs for path, rungs in packed_timings.items()})
             if prompt_packed:
-                best = prompt_weights.packed_linear(dense)
+                best = prompt_weights.packed_linear(weight)
         if int8_gemm_is_exact():  # else _int_mm may saturate (no VNNI / AMX-INT8 in use)
             copy = prompt_weights.Int8Copy.of(module.dense_weight(torch.float32))
             prompt_int8, int8_timings = prompt_weights.race_int8(best, copy, x, time_ms=_time_ms)
