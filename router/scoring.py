@@ -43,8 +43,8 @@ COLD_SLACK = 0.25
 # CHOICES by rendezvous weight ("the power of two choices"): the hash alone placed single requests at
 # random, so some endpoints batched more decoding streams than others and missed the objectives that
 # round-robin's even spread met (benchmarks/routing_sim.py --fixed); two router replicas, each counting
-# only its own streams, still pick within the same two endpoints, so a conversation's later turn that
-# reaches the other replica finds its prefix at least half the time (the fewest of all would be 1/N).
+# only its own streams, still pick within the same two endpoints (the same one where their counts
+# agree), so a conversation's later turn that reaches the other replica is not scattered over all N.
 CHOICES = 2
 # Hits that differ by less than this share of the prompt are a tie: what the smaller one costs in extra
 # prefill is small beside what piling new conversations onto one endpoint costs in queueing.
