@@ -10,8 +10,9 @@ shipped bench datasets (loadgen/datasets, the demo's and `decodectl bench`'s), `
 chat questions and `input_grounded` the whole-text edits of benchmarks/spec_decode.py. Two engines share
 one model's weights, one with speculation off and one on. Each round sends every (workload, concurrency)
 cell's requests to both, one after the other, the order alternating from cell to cell and from round to
-round, so the machine's load drifts over both alike; a round's cell uses prompts no earlier round used
-where the dataset has enough. Requests are greedy with ignore_eos (as `decodectl bench` sends them), so
+round, so the machine's load drifts over both alike; a cell uses prompts no earlier cell used where the
+dataset has enough (a prompt sent before would be a prefix-cache hit; the open-ended and input-grounded
+sets, 4 and 8 prompts, wrap). Requests are greedy with ignore_eos (as `decodectl bench` sends them), so
 both engines decode the same number of tokens and must give the same text.
 
 Per cell: output tokens per wall second of the closed loop (prefill included), mean decode tokens/s per
@@ -227,13 +228,17 @@ def measure(*, rounds: int, rounds_at_16: int, max_tokens: int, concurrency: lis
     counters: dict[str, list[dict[str, Any]]] = {}
     started = time.perf_counter()
     grid = [(w, c) for w in workloads for c in concurrency if f"{w}:{c}" not in skip]
+    used: dict[str, int] = {}  # prompts of each workload handed out so far
     for r in range(rounds):
         for index, (workload, c) in enumerate(grid):
             if c >= 16 and r >= rounds_at_16:
                 continue
             count = max(c, min_requests)
             pool = texts[workload]
-            prompts = [pool[(r * count + i) % len(pool)] for i in range(count)]
+            # The next prompts of the workload: a prompt an earlier cell sent would be a prefix-cache hit.
+            first = used.get(workload, 0)
+            used[workload] = first + count
+            prompts = [pool[(first + i) % len(pool)] for i in range(count)]
             # Alternating from cell to cell and from round to round: each cell runs each order as often.
             order = [("off", off), ("on", on)] if (index + r) % 2 == 0 else [("on", on), ("off", off)]
             before = on.spec.diagnostics()
