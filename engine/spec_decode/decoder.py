@@ -47,6 +47,7 @@ from decodeservice.engine.spec_decode.policy import (
     MIN_GAIN,
     StepCostCurve,
     draft_rows_ms,
+    keep_and_start_acceptances,
     least_paying_acceptance,
     plan_drafts,
     request_prior,
@@ -201,10 +202,8 @@ class SpeculativeDecoder:
         if not self.config.adaptive or self.curve is None:
             return caps
         scale, overhead = self._cost_scale(batch_size), self._overhead()
-        keep_at = least_paying_acceptance(batch_size, curve=self.curve, overhead_ms=overhead, min_gain=0.0,
-                                          cost_scale=scale)
-        start_at = least_paying_acceptance(batch_size, curve=self.curve, overhead_ms=overhead, min_gain=MIN_GAIN,
-                                           cost_scale=scale)
+        keep_at, start_at = keep_and_start_acceptances(batch_size, curve=self.curve, overhead_ms=overhead,
+                                                       cost_scale=scale, min_gain=MIN_GAIN)
         free = self.proposer.free_to_ask
         states, eligible, shadows, probes = [], [], [], set()
         for i, (seq, cap) in enumerate(zip(decoding, caps, strict=True)):
@@ -239,6 +238,8 @@ class SpeculativeDecoder:
                 probes.add(i)
         if shadows:
             self._shadow(shadows)
+        if not any(eligible):
+            return eligible
         acceptances = [state.acceptance for state in states] + [0.0] * (batch_size - len(decoding))
         plan = plan_drafts(acceptances, eligible + [0] * (batch_size - len(decoding)), curve=self.curve,
                            overhead_ms=overhead, min_gain=0.0, cost_scale=scale)

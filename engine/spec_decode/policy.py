@@ -150,6 +150,15 @@ def least_paying_acceptance(batch_size: int, *, curve: StepCostCurve, overhead_m
     return float((1.0 + min_gain) * batch_size * cost / plain - batch_size)
 
 
+def keep_and_start_acceptances(batch_size: int, *, curve: StepCostCurve, overhead_ms: float = 0.0,
+                               cost_scale: float = 1.0, min_gain: float = MIN_GAIN) -> tuple[float, float]:
+    """least_paying_acceptance at no margin (a drafting request goes on from it) and at `min_gain` (a
+    watched one starts from it), from one look at the curve: the decoder asks every step."""
+    plain, one = _floored(curve, batch_size, 1)
+    ratio = batch_size * (plain + cost_scale * (one - plain + overhead_ms)) / plain
+    return float(ratio - batch_size), float((1.0 + min_gain) * ratio - batch_size)
+
+
 # A request's acceptance before its own evidence: the engine's recent acceptance, pulled toward this. A
 # draft that lands 10% of the time pays nowhere on the curves measured here (one row costs 4-30% of a
 # one-stream step), so a request starting from it drafts only once its own evidence lifts it.
