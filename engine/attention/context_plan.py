@@ -8,8 +8,8 @@ bf16 throughput, its caches and the thread count. So at start-up one decode quer
 over a ladder of context lengths, each call reading another layer's pool (colder caches, as a decode
 step reads every layer in turn; within a memory budget), interleaved, min of a few rounds. The threshold is the first
 rung from which the GEMMs win at every rung above; None (the flash kernel only) if they never do.
-The native kernel is timed on the same pools and on a batch of short decodes against the short group
-(short_group.py); it is taken where, summed over the ladder, it is no slower than the torch path each
+The native kernel is timed on the same pools and on a batch of short decodes against reading each
+sequence on its own; it is taken where, summed over the ladder, it is no slower than the torch path each
 rung would otherwise take, and no slower on the batch.
 Cached beside the kernel plans, keyed by CPU, threads, torch, shapes and whether the kernel was built.
 """
@@ -25,9 +25,8 @@ from types import ModuleType
 import torch
 
 from decodeservice.engine.attention import decode_matmul, native_decode
-from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
+from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun, slot_runs
 from decodeservice.engine.attention.paged_views import _prefix_piece
-from decodeservice.engine.attention.short_group import build_short_group
 from decodeservice.engine.quant.cpu import detect_cpu
 from decodeservice.engine.quant.kernel_plan import first_win, plan_cache_path, read_cached, write_cached
 
@@ -121,20 +120,21 @@ def _measure(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
 
 def _measure_batch(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
                    native: ModuleType, gen: torch.Generator) -> dict[str, dict[int, float]]:
-    """BATCH decodes of BATCH_CONTEXT keys: the short group's gather and padded call vs the native kernel."""
+    """BATCH decodes of BATCH_CONTEXT keys: a flash call per sequence (the torch path) vs the native kernel."""
     per_sequence = -(-BATCH_CONTEXT // block_size)
     num_blocks = BATCH * per_sequence + 1
     k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
     tables = torch.arange(1, num_blocks).view(BATCH, per_sequence)
-    spans = [SequenceSpan(token_start=i, num_new=1, context_len=BATCH_CONTEXT - i % block_size, runs=(),
+    spans = [SequenceSpan(token_start=i, num_new=1, context_len=BATCH_CONTEXT - i % block_size,
+                          runs=slot_runs(tables[i].tolist(), num_tokens=BATCH_CONTEXT - i % block_size, block_size=block_size),
                           block_table=tables[i]) for i in range(BATCH)]
     q = torch.randn(BATCH, num_heads, head_dim, generator=gen).to(dtype)
-    group = build_short_group(spans, block_size=block_size, device=q.device, dtype=dtype)
     decodes = native_decode.build_decode_group(spans, device=q.device)
-    assert group is not None and decodes is not None
+    assert decodes is not None
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     calls: dict[str, Callable[[], object]] = {
-        "batch_torch": lambda: group.attend(q, k_cache, v_cache),
+        "batch_torch": lambda: [_prefix_piece(q[i : i + 1], k_flat, v_flat, s.runs[0]) for i, s in enumerate(spans)],
         "batch_native": lambda: decodes.attend(q, k_cache, v_cache, module=native)}
     best = dict.fromkeys(calls, float("inf"))
     for call in calls.values():

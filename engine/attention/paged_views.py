@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from decodeservice.engine.attention import decode_matmul, kv_int8, native_decode
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, trim_runs
 from decodeservice.engine.attention.native_decode import DecodeGroup, build_decode_group
-from decodeservice.engine.attention.short_group import MAX_CONTEXT, ShortGroup, build_short_group
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Beyond this many runs of slots a sequence's cached keys are gathered into one piece (see below).
@@ -82,21 +81,6 @@ def _dequantized(k_flat: torch.Tensor, v_flat: torch.Tensor, runs: tuple[SlotRun
     """The keys and values of `runs` from int8 pools (kv_int8.py), in `dtype`, as one run."""
     keys, values, whole = _gathered(k_flat, v_flat, list(runs))
     return kv_int8.unpack_rows(keys, dtype), kv_int8.unpack_rows(values, dtype), whole
-
-
-def _single_run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: SlotRun) -> torch.Tensor:
-    """One query token over one run of slots: q (1, H, D) -> (1, H, D); what _prefix_piece computes.
-
-    With one query, folding the G heads of a K/V group into the query length is a plain view, and the
-    run is one strided view of the pool: five tensor calls where the general path makes some twenty,
-    which a one-stream step pays in every layer. The strides are those of a contiguous pool."""
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    size, stride = (1, hkv, run.length, d), (0, d, hkv * d, 1)  # (1, Hkv, L, D) over the pool's (slot, Hkv, D)
-    first = run.first_slot * hkv * d
-    keys = k_cache.as_strided(size, stride, k_cache.storage_offset() + first)
-    values = v_cache.as_strided(size, stride, v_cache.storage_offset() + first)
-    out: torch.Tensor = _flash(q.view(1, hkv, -1, d), keys, values)[0]  # (1, Hkv, G, D)
-    return out.view(q.shape)
 
 
 def _fresh_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,17 +137,12 @@ class PagedViewsMetadata(AttentionMetadata):
 
     # The step's decodes and verifies, a row per token, for the native kernel.
     decode_group: DecodeGroup | None = None
-    # Short sequences batched into one padded call.
-    short_group: ShortGroup | None = None
-    # The step's only sequence decodes one token over keys in one run of slots (a single stream's
-    # step), read in a few calls.
-    single_run: SlotRun | None = None
 
 
 class PagedViewsBackend:
-    """The CPU backend. Sequences are read in place one by one, except that short ones share one
-    padded call (short_group.py: the copy is cheaper there than a call per sequence) and that long
-    bf16/fp16 decodes and verifies go through decode_matmul.py from `matmul_from` keys."""
+    """The CPU backend: the native kernel's rows where it is built (see the module's docstring), else every
+    sequence read in place on its own; long bf16/fp16 decodes and verifies go through decode_matmul.py from
+    `matmul_from` keys. benchmarks/route_audit.py times each route against the per-sequence path."""
 
     name = "paged_views"
 
@@ -195,23 +174,13 @@ class PagedViewsBackend:
             every = max(span.num_new for span in meta.spans)
             return PagedViewsMetadata(**fields, decode_group=build_decode_group(
                 meta.spans, device=meta.slot_mapping.device, max_new=every, prompts=True))
-        # A span decode_matmul.py takes is not copied into the group (only where matmul_from is set
-        # below short_group.MAX_CONTEXT, as tests do).
-        gemm = self.matmul_from is not None and dtype in decode_matmul.DTYPES
-        max_context = min(MAX_CONTEXT, self.matmul_from - 1) if gemm and self.matmul_from else MAX_CONTEXT
         device = meta.slot_mapping.device
         prompts = self.prompt_kernel is not None and dtype in native_decode.DTYPES
         decodes = (build_decode_group(meta.spans, device=device, max_new=self.kernel_max_new if self._native(dtype) else 0,
                                       prompts=prompts)
                    if self._native(dtype) or prompts else None)
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        if self.kv_int8:
-            return PagedViewsMetadata(**fields, decode_group=decodes)
-        taken = decodes.span_indices if decodes is not None else frozenset()
-        group = build_short_group(meta.spans, block_size=meta.block_size, device=device, dtype=dtype,
-                                  max_context=max_context, exclude=taken)
-        return PagedViewsMetadata(**fields, decode_group=decodes, short_group=group,
-                                  single_run=None if decodes is not None else self._single_run(meta, dtype))
+        return PagedViewsMetadata(**fields, decode_group=decodes)
 
     def _native(self, dtype: torch.dtype) -> bool:
         return self.decode_kernel is not None and dtype in native_decode.DTYPES
@@ -220,24 +189,12 @@ class PagedViewsBackend:
         """The built kernel, for the step's decode group (decodes, verifies and prompt spans)."""
         return self.decode_kernel if self.decode_kernel is not None else self.prompt_kernel
 
-    def _single_run(self, meta: AttentionMetadata, dtype: torch.dtype) -> SlotRun | None:
-        """The run a single stream's one-token decode reads (_single_run_decode), else None."""
-        if len(meta.spans) != 1:
-            return None
-        span = meta.spans[0]
-        if span.num_new != 1 or len(span.runs) != 1 or _takes_matmul(span, dtype, self.matmul_from):
-            return None
-        return span.runs[0]
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # Unplanned metadata (tests, benchmarks) reads every sequence on its own.
         planned = meta if isinstance(meta, PagedViewsMetadata) else None
         if k_cache.dtype == torch.int8:
             return self._attend_int8(q, k, v, k_cache, v_cache, meta, planned)
-        single_run = planned.single_run if planned is not None else None
-        if single_run is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
-            return _single_run_decode(q, k_cache, v_cache, single_run)
         kernel = self._kernel()
         decodes = planned.decode_group if planned is not None and kernel is not None else None
         if decodes is not None:
@@ -250,20 +207,11 @@ class PagedViewsBackend:
         if len(meta.spans) == 1 and decodes is None:
             return attend_span(q, k, v, k_flat, v_flat, meta.spans[0], block_size=meta.block_size,
                                matmul_from=self.matmul_from)
-        group = planned.short_group if planned is not None else None
         out = torch.empty_like(q)  # (N, H, D)
         if decodes is not None:
             out[decodes.token_index] = decoded
-        if group is not None:
-            attended = group.attend(q, k_cache, v_cache)  # (B, Q, H, D)
-            if group.covers_all_in_order:
-                if len(group.span_indices) == len(meta.spans):  # the group is the whole step
-                    return attended.reshape(q.shape)
-                out[: attended.shape[0] * attended.shape[1]] = attended.flatten(0, 1)
-            else:
-                out[group.query_index[group.query_valid]] = attended[group.query_valid]
         for i, span in enumerate(meta.spans):
-            if (group is not None and i in group.span_indices) or (decodes is not None and i in decodes.span_indices):
+            if decodes is not None and i in decodes.span_indices:
                 continue
             s, e = span.token_start, span.token_start + span.num_new
             out[s:e] = attend_span(q[s:e], k[s:e], v[s:e], k_flat, v_flat, span, block_size=meta.block_size,

@@ -196,7 +196,7 @@ def test_bf16_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(
         k_cache.normal_(0, 30)
         v_cache.normal_(0, 30)
     pool = torch.randperm(200, generator=torch.Generator().manual_seed(4)).tolist()
-    # Contexts past short_group.MAX_CONTEXT, so that the flash-only backend reads them in place too.
+    # Long contexts, read in place by both backends.
     prompts = [list(range(100, 400)), list(range(500, 519)), list(range(900, 1170))]
 
     def on_gemm_path(verifies: list[ScheduledSequence]) -> None:  # the spans this test is about take it
@@ -222,7 +222,7 @@ def test_bf16_engine_decode_and_prefix_hit_equal_dense(bf16_twins: tuple[ModelBu
     engine.runner.attention_backend = PagedViewsBackend(matmul_from=matmul_from)
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    # Contexts past short_group.MAX_CONTEXT, so that the flash-only backend reads them in place too.
+    # Long contexts, read in place by both backends.
     document = list(range(1000, 1270))
     engine.generate([document + [5, 6]], params)
     prompts = [PROMPTS[0], document + list(range(300, 320)), list(range(2000, 2290))]  # the second hits

@@ -28,7 +28,7 @@ H, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 200
 
 # (new tokens Q, context L, contiguous blocks?): decode, a prompt chunk over a cached prefix,
 # verifies with unequal drafts, a prompt with nothing cached, a decode over one run, and a verify and
-# a decode longer than the CPU backend batches with the others (short_group.MAX_CONTEXT).
+# a decode over longer contexts.
 SEQUENCES = [(1, 13, False), (9, 23, False), (3, 10, False), (6, 30, True), (7, 7, False), (1, 16, True),
              (4, 21, False), (5, 290, False), (1, 260, False)]
 
@@ -92,14 +92,11 @@ def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0, *, 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "per_sequence"])
 def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.dtype, atol: float,
                                         planned: bool) -> None:
-    # Planned, the CPU backend batches the short sequences into one padded call and reads the two
-    # long ones in place; unplanned, it reads every sequence in place. Flex (eager here) plans in
-    # attend() when it was not planned.
+    # Planned or not, the CPU backend without its native kernel reads every sequence in place. Flex (eager
+    # here) plans in attend() when it was not planned.
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
     if planned:
         step = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
-        if backend.name == "paged_views":
-            assert step.meta.short_group is not None and len(step.meta.short_group.span_indices) == 7
     out = attend(q, k, v, k_cache, v_cache, step)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
@@ -118,9 +115,8 @@ def test_gemm_decode_equals_dense_reference(dtype: torch.dtype, planned: bool) -
     backend = PagedViewsBackend(matmul_from=1)
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
     gemm = dtype != torch.float32
-    if planned:  # in bf16/fp16 nothing is left for the padded short group: the GEMMs take every span
+    if planned:
         step = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
-        assert (step.meta.short_group is None) == gemm
     taken = [decode_matmul.applies(s, dtype, min_context=1) for s in step.meta.spans]
     assert sum(taken) == (len(SEQUENCES) if gemm else 0)
     assert not gemm or any(s.context_len % BS for s, t in zip(step.meta.spans, taken, strict=True) if t)
@@ -130,35 +126,6 @@ def test_gemm_decode_equals_dense_reference(dtype: torch.dtype, planned: bool) -
     assert out.dtype == dtype and out.shape == q.shape
     # bf16: 0.0075 vs the flash kernel's 0.0048 when measured; fp16 0.0011 vs 0.00066; fp32 identical.
     assert error <= 2 * flash_error + 1e-6, f"GEMM path {error:.5f}, flash kernel {flash_error:.5f}"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize(("length", "blocks"), [(1, [7]), (16, [3, 4, 5, 6]), (14, [3, 4, 9, 10])],
-                         ids=["first_token", "one_run", "two_runs"])
-def test_single_stream_decode_reads_one_run_as_the_general_path_does(dtype: torch.dtype, length: int,
-                                                                    blocks: list[int]) -> None:
-    # A step whose only sequence decodes one token over one run of slots is planned as such and read
-    # through one strided view of each pool: bit for bit what the general path gives. The caches are
-    # views at an offset into larger tensors, as a pool carved from one allocation would be.
-    gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache = ((torch.randn(3, NUM_BLOCKS, BS, HKV, D, generator=gen) * 3).to(dtype)[1] for _ in range(2))
-    q = torch.randn(1, H, D, generator=gen).to(dtype)
-    k, v = (torch.randn(1, HKV, D, generator=gen).to(dtype) for _ in range(2))
-    runs = slot_runs(blocks, num_tokens=length, block_size=BS)
-    span = SequenceSpan(token_start=0, num_new=1, context_len=length, runs=runs, block_table=torch.tensor(blocks))
-    last = length - 1
-    meta = AttentionMetadata(slot_mapping=torch.tensor([blocks[last // BS] * BS + last % BS]), spans=(span,),
-                             block_size=BS)
-    backend = PagedViewsBackend()
-    planned = backend.plan(meta, dtype=dtype)
-    assert planned.single_run == (runs[0] if len(runs) == 1 else None)
-    out = attend(q, k, v, k_cache, v_cache, StepAttention(meta=planned, backend=backend))
-    general = attend(q, k, v, k_cache, v_cache, StepAttention(meta=meta, backend=backend))
-    assert torch.equal(out, general)
-    keys, values = (torch.cat([c[b] for b in blocks])[:length] for c in (k_cache, v_cache))  # (L, Hkv, D)
-    reference = F.scaled_dot_product_attention(q.double().transpose(0, 1), keys.double().transpose(0, 1),
-                                               values.double().transpose(0, 1), enable_gqa=True).transpose(0, 1)
-    torch.testing.assert_close(out.double(), reference, atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path (gather backend, "

@@ -74,12 +74,6 @@ def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, 
             q <= native_decode.MAX_NEW for q, _, _ in SEQUENCES)
 
 
-def test_int8_pools_are_not_batched_into_the_short_group() -> None:
-    # The short group and the single-run path read the pool as values; over int8 rows they would read codes.
-    step, *_ = int8_step(torch.bfloat16, PagedViewsBackend(kv_int8=True), head_dim=8)
-    assert step.meta.short_group is None and step.meta.single_run is None
-
-
 def test_a_step_writes_int8_rows_that_hold_the_keys_within_their_rounding() -> None:
     step, q, k, v, k_pool, v_pool = int8_step(torch.float32, GatherBackend(), head_dim=8)
     attend(q, k, v, k_pool, v_pool, step)
