@@ -120,9 +120,11 @@ class CompiledStep:
         token = _STEP.set((kv_caches, batch.attn))
         try:
             with _STEP_DYNAMO_CONFIG:
+                # batch.rows: the step's row split (prompt rows take their one path), an argument of the
+                # graph like the step's tensors, so a prompt chunk compiles to its own graph.
                 hidden: torch.Tensor = self._run_layers(
                     *rows, _attend_through_op,
-                    num_layers=self.model.layers_to_run(num_layers, kv_caches))
+                    num_layers=self.model.layers_to_run(num_layers, kv_caches), rows=batch.rows)
         finally:
             _STEP.reset(token)
         return hidden

@@ -158,7 +158,7 @@ class ExecutionPlan:
         else:
             lines.append("projections: dense weights (no kernel plan)")
         if (spec := self.speculation) is not None:
-            lines.append(f"speculation: {spec.method}, one draft row costs {spec.row_cost:.3f} of a one-row step "
+            lines.append(f"speculation: {spec.method}, each draft row adds {spec.row_cost:.3f} of a one-row step "
                          f"[{spec.source}{f', {spec.seconds:.1f} s' if spec.seconds else ''}]")
             if spec.curve is not None:
                 lines.append(f"  step ms by batch and draft rows: {spec.curve.describe()}")
