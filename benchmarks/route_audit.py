@@ -3,9 +3,9 @@ path it replaces, on the bundled model's shapes, per CPU dispatch in one run. JS
 
     .venv/bin/python -P benchmarks/route_audit.py [--dispatch native,avx2] [--rounds 5] [--out FILE]
 
-Attention (route_audit_attention.py): the native paged-decode kernel (decodes, prompt rows), the
-single-run flash call, the short group (its GEMM and SDPA variants), the decode GEMMs, per-run flash
-merged against the gathered copy, and the plain path's own pieces against the gather backend; 1, 4 and
+Attention (route_audit_attention.py): the native paged-decode kernel (decodes, prompt rows), the decode
+GEMMs, per-run flash merged against the gathered copy, and the plain path's own pieces against the gather
+backend; 1, 4 and
 16 decode rows over 64 to 2600 keys, 16 to 512 prompt rows with and without a cached prefix.
 Projections (one layer's, in model order, as a step streams them; the head on its own): torch's int4
 weight-only kernel against the int8-dot kernel, the dense path (dequantize per call) and its native
@@ -143,8 +143,12 @@ def _packed_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tenso
 
 def plan_uses(engine: Any) -> dict[str, str]:
     """Where this engine's default plan takes each route ('' where it never does, on this machine)."""
-    choice, kv_int8 = engine.attention_choice, engine.kv_dtype == torch.int8
-    native = choice is not None and choice.native_decode
+    from decodeservice.engine.plan import CpuAttentionPlan
+
+    attention = engine.plan.attention
+    cpu = attention if isinstance(attention, CpuAttentionPlan) else None
+    kv_int8 = engine.plan.kv.dtype == torch.int8
+    native = cpu is not None and cpu.decode_kernel is not None
     torch_decodes = "" if native else "decodes (the native kernel not taken)"
     plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {"rows": {}}
     rows = plan["rows"]
@@ -153,16 +157,14 @@ def plan_uses(engine: Any) -> dict[str, str]:
     copies = [k for k, p in rows.items() if p["prompt_packed"]]
     uses = {
         "native_kernel_decode": "every decode and verify (up to 9 rows a span)" if native else "",
-        "native_kernel_prompt": "every prompt row (a prefix hit computes what the miss did)" if choice is not None else "",
-        "single_run_flash": "" if kv_int8 else torch_decodes and "a single stream's decode",
-        "short_group_gemm": "" if kv_int8 or engine.dtype == torch.float32 else torch_decodes and "decodes over <= 256 keys, 2+ streams",
-        "short_group_sdpa": "" if kv_int8 or engine.kv_dtype != torch.float32 else torch_decodes and "decodes over <= 256 keys",
-        "decode_gemms": "" if kv_int8 or choice is None or choice.min_context is None else
-        torch_decodes and f"decodes over {choice.min_context}+ keys",
+        "native_kernel_prompt": "every prompt row (a prefix hit computes what the miss did)"
+        if cpu is not None and cpu.prompt_kernel is not None else "",
+        "decode_gemms": "" if kv_int8 or cpu is None or cpu.matmul_from is None else
+        torch_decodes and f"decodes over {cpu.matmul_from}+ keys",
         "per_run_flash_merge": "" if kv_int8 else torch_decodes and "decodes over tables in 2-4 runs",
         "gathered_flash": "" if kv_int8 else torch_decodes and "decodes over tables in 5+ runs",
-        "causal_sdpa": "" if choice is not None else "fresh prompts (no native kernel built)",
-        "prefix_fresh_merge": "" if choice is not None else "prompt chunks over a cached prefix (no native kernel built)",
+        "causal_sdpa": "" if native else "fresh prompts (no native kernel built)",
+        "prefix_fresh_merge": "" if native else "prompt chunks over a cached prefix (no native kernel built)",
         "int8_dot": f"weight-only calls of {', '.join(dot)}" if dot else "",
         "dense_dequantized": f"prompt rows of {'; '.join(dense)}" if dense and not copies else "",
         "native_dequant": "the dense path's dequantization" if plan.get("native_dequant") and dense and not copies else "",
@@ -185,7 +187,7 @@ def child(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     kernel = native_decode.decode_extension() if native_decode.applies(engine.dtype, 64) else None
     with torch.inference_mode():
-        all_cases = route_audit_attention.cases(dtype=engine.dtype, kv_dtype=engine.kv_dtype, kernel=kernel, gen=gen)
+        all_cases = route_audit_attention.cases(dtype=engine.dtype, kv_dtype=engine.plan.kv.dtype, kernel=kernel, gen=gen)
         all_cases += linear_cases(engine, dtype=engine.dtype, gen=gen)
         ratios: dict[int, list[float]] = {i: [] for i in range(len(all_cases))}
         times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(all_cases))}
@@ -212,10 +214,9 @@ def child(args: argparse.Namespace) -> None:
         entry["best_median"], entry["worst_median"] = max(medians), min(medians)
         entry["wins_1_2x"] = max(medians) >= WINS
         entry["earns_place"] = bool(entry["plan_uses_here"]) and max(medians) >= WINS
-    choice = engine.attention_choice
     report({"cpu": detect_cpu().describe(), "caps": caps_in_effect(), "threads": args.threads,
-            "activations": str(engine.dtype), "kv_cache": str(engine.kv_dtype),
-            "attention_plan": None if choice is None else {"matmul_from": choice.min_context, "native_decode": choice.native_decode},
+            "activations": str(engine.dtype), "kv_cache": str(engine.plan.kv.dtype),
+            "attention_plan": engine.plan.attention.why,
             "kernel_plan": engine.model.kernel_plan.describe()["rows"] if engine.model.kernel_plan is not None else None,
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()], "routes": routes})

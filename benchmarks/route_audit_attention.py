@@ -1,5 +1,7 @@
 """The attention cases of route_audit.py: each route of PagedViewsBackend.attend against the plain path
 it replaces, on the bundled model's attention shapes (9 query heads, 3 K/V heads of 64, blocks of 16).
+(The single-run flash call and the short group, which no default plan took, left the backend after the
+first run: route_audit.json still holds their figures.)
 
 The plain path is the backend given unplanned metadata and no kernel: every sequence on its own, its
 cached keys read in place through the CPU flash kernel (one call per run of slots, merged by log-sum-exp),
@@ -19,7 +21,6 @@ import torch
 from decodeservice.engine.attention import decode_matmul, native_decode, paged_views
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.attention.metadata import AttentionMetadata, SequenceSpan, SlotRun, slot_runs
-from decodeservice.engine.attention.short_group import build_short_group
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DECODE_ROWS = (1, 4, 16)
@@ -122,23 +123,6 @@ def cases(*, dtype: torch.dtype, kv_dtype: torch.dtype, kernel: ModuleType | Non
                                 plain=plain_call(s)))
     if kv_dtype == torch.int8:
         return out  # over int8 pools every other span reads a dequantized copy: the plain path itself
-    for n in CONTEXTS:
-        s = step(seqs=1, new=1, context=n)
-        run = s.meta.spans[0].runs[0]
-        out.append(Case(route="single_run_flash", reference="plain", shape=f"1 decode x {n} keys",
-                        run=lambda s=s, r=run: paged_views._single_run_decode(s.q, s.k_cache, s.v_cache, r),
-                        plain=plain_call(s)))
-    for b in DECODE_ROWS[1:]:
-        for n in (64, 256):
-            s = step(seqs=b, new=1, context=n)
-            for variant, dt in (("gemm", dtype), ("sdpa", torch.float32)):
-                if variant == "gemm" and dt not in decode_matmul.DTYPES:
-                    continue
-                t = s if dt == dtype else make_step(seqs=b, new=1, context=n, dtype=dt, kv_dtype=dt, gen=gen)
-                group = build_short_group(t.meta.spans, block_size=BLOCK, device=t.q.device, dtype=dt)
-                assert group is not None
-                out.append(Case(route=f"short_group_{variant}", reference="plain", shape=f"{b} decodes x {n} keys {dt}",
-                                run=lambda g=group, t=t: g.attend(t.q, t.k_cache, t.v_cache), plain=plain_call(t)))
     if dtype in decode_matmul.DTYPES:
         for b in DECODE_ROWS:
             for n in (1024, 1536, 2600):
