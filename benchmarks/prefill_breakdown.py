@@ -122,6 +122,7 @@ def main() -> int:
                for route in routes}
     for route, engine in engines.items():
         set_prompt_route(engine, route)
+        print(f"engine for route {route} built", file=sys.stderr, flush=True)
     timed(model_module.RMSNorm, "forward", "norms")
     timed(model_module.Rotary, "rotate", "rope")
     timed(model_module.Attention, "project", "project")
@@ -146,6 +147,7 @@ def main() -> int:
             if route not in best or parts["step"] < best[route]["step"]:
                 best[route] = parts
         loads.append(os.getloadavg()[0])
+        print(f"round {r}: {json.dumps({route: steps[route][-1] for route in routes})} ms", file=sys.stderr, flush=True)
     baseline = routes[0]
     ratios = {route: [s / b for s, b in zip(steps[route], steps[baseline], strict=True)] for route in routes[1:]}
     first = engines[baseline]
