@@ -69,8 +69,8 @@ BF16_LOSS, BF16_ROUNDS = 3.0, 4
 # 8: prompt rows on a packed dense copy where faster (prompt_weights.py); 9: timings' min over 20 ms of runs
 # (version 8's plans were measured with 5 runs: a loaded machine's cached one took torch's int4 kernel over the
 # int8-dot kernel for q/k/v and gate/up); 10: prompt rows on an int8 copy where the CPU's int8 GEMM is exact
-# and it beat the packed dense copy (prompt_weights.Int8Copy)
-PLAN_VERSION = 10
+# and it beat the packed dense copy (prompt_weights.Int8Copy); 11: that int8 copy only under `--w8a8`
+PLAN_VERSION = 11
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,7 +336,11 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
             timings.update({f"prompt_{path}": rungs for path, rungs in packed_timings.items()})
             if prompt_packed:
                 best = prompt_weights.packed_linear(weight)
-        if int8_gemm_is_exact():  # else _int_mm may saturate (no VNNI / AMX-INT8 in use)
+        # int8 prompt rows quantize the activations, which `--w8a8` opts into: against the bf16 copies
+        # they moved the first token's top-5 logprobs by 0.25-0.87 nat (greedy text alike), a
+        # quality change the default does not make for speed (benchmarks/prefill_breakdown.py times it).
+        # Only where the int8 GEMM is exact: else _int_mm may saturate (no VNNI / AMX-INT8 in use).
+        if module.has_w8a8 and int8_gemm_is_exact():
             copy = prompt_weights.Int8Copy.of(module.dense_weight(torch.float32))
             prompt_int8, int8_timings = prompt_weights.race_int8(best, copy, x, time_ms=_time_ms)
             timings.update({f"prompt_int8_{path}": rungs for path, rungs in int8_timings.items()})

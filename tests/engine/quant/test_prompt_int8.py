@@ -74,20 +74,21 @@ def test_the_int8_race_wins_only_by_a_clear_margin() -> None:
 
 
 class TwoLayers(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, *, w8a8: bool) -> None:
         super().__init__()
-        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32)
-        self.lm_head = Int4Linear(quantize_int4(gaussian(320, 64, 6)), dtype=torch.float32)
+        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32, w8a8=w8a8)
+        self.lm_head = Int4Linear(quantize_int4(gaussian(320, 64, 6)), dtype=torch.float32, w8a8=w8a8)
 
 
-def test_the_plan_races_the_int8_copy_only_where_the_int8_gemm_is_exact(tmp_path: Path) -> None:
-    model = TwoLayers()
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_the_plan_races_the_int8_copy_only_under_w8a8_where_the_int8_gemm_is_exact(tmp_path: Path, w8a8: bool) -> None:
+    model = TwoLayers(w8a8=w8a8)
     activations = ActivationChoice(dtype=torch.float32, reason="test")  # small shapes, fp32: seconds
     plan = plan_kernels(model, activations=activations, cache_dir=tmp_path)
-    shape = plan.shapes["Int4Linear 192x64"]
+    shape = plan.shapes["Int4Linear" + ("+w8a8" if w8a8 else "") + " 192x64"]
     raced = any(path.startswith("prompt_int8_") for path in shape.timings_ms)
-    assert raced == int8_gemm_is_exact()
+    assert raced == (w8a8 and int8_gemm_is_exact())
     assert (model.a.prompt_int8 is not None) == shape.prompt_int8
     assert not (shape.prompt_int8 and model.a.prompt_weight is not None)  # one copy, not both
     assert model.lm_head.prompt_int8 is None  # the head never sees a prompt chunk
-    assert plan.describe()["rows"]["Int4Linear 192x64"]["prompt_route"] == shape.prompt_route
+    assert plan.describe()["rows"][next(iter(plan.shapes))]["prompt_route"] == shape.prompt_route
