@@ -27,7 +27,6 @@ Every figure is one run on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -48,6 +47,9 @@ from decodeservice.engine.attention import (
 )
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 
 DOCUMENT = (
     "Chapter {i}. The survey team walked the northern ridge at dawn, logging every spring, path and ruined wall "
@@ -261,10 +263,7 @@ def main() -> int:
         result["attention_per_layer_call"]["flex_attention"] = flex_probe(max(contexts), args.repeats)
     result["load_average_1min_at_end"] = os.getloadavg()[0]
     result["targets"] = targets(result, contexts)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -46,6 +46,7 @@ from decodeservice.engine.quant import detect_cpu
 from decodeservice.engine.quant.linear import RowPlanned
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
 from long_context import document_tokens
 
 spent: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -166,10 +167,7 @@ def main() -> int:
         "step_vs_baseline": {route: {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
                                      "max": round(max(r), 3)} for route, r in ratios.items()},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -39,6 +39,7 @@ import httpx
 from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from json_out import emit
 from routing import conversations, stream_chat
 
 MODES = ("alone", "together", "held")
@@ -144,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     result = asyncio.run(amain(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from json_out import emit
 from proxy_overhead import (
     OVERHEAD_POLICY,
     _cpu_per_1k,
@@ -162,10 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "targets": {"router_added_ttft_p50_ms": "< 1"},
         "rounds": rows,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 
