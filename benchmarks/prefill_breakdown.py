@@ -27,15 +27,12 @@ ratio of each route's step to the first route's is given as median and range.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -46,24 +43,9 @@ from decodeservice.engine.quant import detect_cpu
 from decodeservice.engine.quant.linear import RowPlanned
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from decode_step_by_context import spent, timed  # one clock of the parts for both studies
 from json_out import emit
 from long_context import document_tokens
-
-spent: collections.defaultdict[str, float] = collections.defaultdict(float)
-
-
-def timed(owner: Any, attribute: str, part: str) -> None:
-    """owner.attribute wrapped so that its wall time adds to spent[part]."""
-    original: Callable[..., Any] = getattr(owner, attribute)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent[part] += time.perf_counter() - start
-
-    setattr(owner, attribute, wrapper)
 
 
 def instrument_model(engine: Engine) -> None:

@@ -46,6 +46,9 @@ from decodeservice.loadgen.client import BenchRequest, send
 from decodeservice.loadgen.metrics import RequestRecord
 from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from json_out import emit
+
 MODEL = "smollm2-135m"
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
@@ -374,10 +377,7 @@ def main() -> int:
     # `timeout` and Ctrl-C end the run through the `finally` that stops every server it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = asyncio.run(run(args))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     return 0
 
 
