@@ -9,8 +9,8 @@ model's shapes (30 layers, 9 query heads, 3 K/V heads, D 64, bf16 K/V as the int
 
 - decode, per layer and per context L, on 30 separate pools read in turn, so each call meets keys that
   are not in cache, as in the engine: `read_floor_us`, the fastest pass over the layer's K and V bytes
-  (the least any exact kernel must spend); `shipped_us`, the engine's path at L (decode_matmul.py from
-  its MIN_CONTEXT, else the flash kernel over views); `flash_us`; `int8_scores_us`, the score GEMM alone
+  (the least any exact kernel must spend); `shipped_us`, the engine's path at L (the native paged kernel
+  where it is built, else the plain gather + SDPA path); `flash_us`; `int8_scores_us`, the score GEMM alone
   if K were stored as int8 (`torch._int_mm`, the only stock kernel here that reads less), for scale.
   With --inductor, `inductor_us`: the same decode as plain tensor math compiled by torch.compile.
   `best_ratio_vs_short` = short step / (short step + 30 x read_floor_us): decode at L over decode at a
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from decodeservice.engine.attention import gather, native_decode
 from decodeservice.engine.attention.metadata import SequenceSpan, SlotRun
-from decodeservice.engine.attention.paged_views import attend_span
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 from json_out import emit
@@ -72,18 +72,24 @@ def compiled_decode() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], to
 def decode_costs(length: int, repeats: int, inductor: Callable[..., torch.Tensor] | None = None
                  ) -> dict[str, float]:
     gen = torch.Generator().manual_seed(length)
-    slots = length + 16  # the shipped path reads on to the end of the last 16-slot block
+    slots = (length // 16 + 1) * 16  # whole pool blocks of 16 slots, past the last key
     keys = [torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE) for _ in range(LAYERS)]
     values = [torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE) for _ in range(LAYERS)]
     q = torch.randn(1, HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    table = torch.arange(slots // 16)  # the slots as pool blocks of 16, read through a table as in a step
     span = SequenceSpan(token_start=0, num_new=1, context_len=length, runs=(SlotRun(first_slot=0, length=length),),
-                        block_table=torch.zeros(1, dtype=torch.long))
+                        block_table=table)
+    kernel = native_decode.decode_extension()
+    lengths = torch.tensor([length], dtype=torch.int32)
 
     def read(i: int) -> object:  # int16 views: a max over the raw bits, no bf16 arithmetic in the way
         return keys[i][:length].view(torch.int16).max(), values[i][:length].view(torch.int16).max()
 
     def shipped(i: int) -> object:
-        return attend_span(q, q[:, :KV_HEADS], q[:, :KV_HEADS], keys[i], values[i], span, block_size=16)
+        k_pool, v_pool = keys[i].view(-1, 16, KV_HEADS, HEAD_DIM), values[i].view(-1, 16, KV_HEADS, HEAD_DIM)
+        if kernel is not None:
+            return native_decode.paged_decode(q, k_pool, v_pool, table.to(torch.int32).view(1, -1), lengths, module=kernel)
+        return gather.attend_span(q, k_pool, v_pool, span)
 
     folded = q.view(1, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM).permute(1, 2, 0, 3).reshape(1, KV_HEADS, -1, HEAD_DIM)
 

@@ -77,7 +77,7 @@ def main() -> int:
                         "bytes_per_token": kv_bytes_per_block(e.model_config, 1, e.kv_dtype, e.model_config.num_layers),
                         "tokens_in_kv_cache_gib": e.kv.num_blocks * e.config.block_size}
                  for kind, e in engines.items()},
-        "native_decode": {kind: e.attention_choice.native_decode for kind, e in engines.items()},
+        "native_decode": {kind: e.plan.attention.describe().get("native_decode") for kind, e in engines.items()},
         "contexts": {},
     }
     runs: dict[int, dict[str, list[dict[str, float]]]] = {n: {kind: [] for kind in KINDS} for n in contexts}

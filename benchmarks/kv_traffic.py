@@ -131,7 +131,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained("smollm2-135m", max_model_len=args.context + args.decode_tokens + 64)
     backend = engine.runner.attention_backend
-    if getattr(backend, "decode_kernel", None) is None:
+    if getattr(backend, "kernel", None) is None:
         print("the engine does not run the native paged-decode kernel here; nothing to measure", file=sys.stderr)
         return 2
     ids = engine.tokenizer.encode(TEXT * (args.context // 20 + 1), add_special_tokens=False)

@@ -9,10 +9,9 @@ For each context N: a document of N tokens, then a question of about 10 tokens.
   after its first token; prefill throughput = prompt tokens / miss TTFT;
 - hit: TTFT of the same document + question B, the document now in the prefix cache (llama.cpp
   reuses its context's common prefix the same way);
-- the engine's decode tokens/s again over the same context with the gather backend (the per-step copy
-  of the whole cache that the paged-views backend replaced), with the paged-views backend on the
-  flash kernel only (before decode_matmul.py), and with the engine's choices but the native
-  paged-decode kernel (native_decode.py), so the mechanisms meet in one run.
+- the engine's decode tokens/s again over the same context with the gather backend, and with the CPU
+  backend without its native paged kernel (native_decode.py: its plain path alone), so the two meet in
+  one run.
 The reference for the decode target is the same engine decoding after an 8-token prompt (best of
 two); decode ratios take the best of the default backend's three measurements at a context (miss,
 hit, hit again) and of llama.cpp's two (miss, hit), which run right after the engine's at that context. Then one
@@ -117,10 +116,9 @@ def attention_options(contexts: list[int], repeats: int, dtype: torch.dtype) -> 
     k_cache = torch.randn(pool_blocks, bs, hkv, d, generator=gen).to(dtype)
     v_cache = torch.randn(pool_blocks, bs, hkv, d, generator=gen).to(dtype)
     backends: list[tuple[str, AttentionBackend]] = [
-        ("views", PagedViewsBackend()), ("views_flash_only", PagedViewsBackend(matmul_from=None)),
-        ("gather", GatherBackend())]
+        ("views", PagedViewsBackend()), ("gather", GatherBackend())]
     if (kernel := native_decode.decode_extension()) is not None and native_decode.applies(dtype, d):
-        backends.append(("native", PagedViewsBackend(decode_kernel=kernel)))
+        backends.append(("native", PagedViewsBackend(kernel=kernel)))
     scattered = torch.randperm(pool_blocks, generator=gen).tolist()
     results: dict[str, Any] = {}
     for length in contexts:
@@ -216,9 +214,8 @@ def main() -> int:
             llama_clocks(llm, questions[0][:8], args.decode_tokens, reset=True)["decode_tokens_per_s"]
             for _ in range(2))}
     gather, views = GatherBackend(), engine.runner.attention_backend
-    flash_only = PagedViewsBackend(matmul_from=None)
-    # The engine's own choices but the native paged-decode kernel: that kernel's A/B.
-    torch_paths = PagedViewsBackend(matmul_from=getattr(views, "matmul_from", None))
+    # The engine's backend without the native paged kernel (its plain path alone): that kernel's A/B.
+    torch_paths = PagedViewsBackend(kv_int8=getattr(views, "kv_int8", False))
     # Engine and llama.cpp take turns per context, so a change in the machine's load between them
     # weighs on both; decode ratios use the best of each side's measurements at that context
     # (interference only ever slows a measurement down).
@@ -229,8 +226,6 @@ def main() -> int:
         hit = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         engine.runner.attention_backend = gather
         copied = engine_clocks(engine, doc + questions[1], args.decode_tokens)
-        engine.runner.attention_backend = flash_only
-        flash = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         engine.runner.attention_backend = torch_paths
         torch_only = engine_clocks(engine, doc + questions[1], args.decode_tokens)
         engine.runner.attention_backend = views
@@ -240,9 +235,8 @@ def main() -> int:
             "miss": miss, "hit": hit, "hit_speedup": miss["ttft_s"] / hit["ttft_s"],
             "prefill_tokens_per_s": (n + len(questions[0])) / miss["ttft_s"],
             "decode_tokens_per_s_gather_backend": copied["decode_tokens_per_s"],
-            # The A/B of decode_matmul.py: the same hit request on the flash kernel only, then again on
-            # the default backend (the third measurement of the default at this context).
-            "decode_tokens_per_s_flash_only": flash["decode_tokens_per_s"],
+            # The same hit request without the native kernel, then again on the default backend (the
+            # third measurement of the default at this context).
             "decode_tokens_per_s_without_native_kernel": torch_only["decode_tokens_per_s"],
             "decode_tokens_per_s_views_again": again["decode_tokens_per_s"],
             "decode_tokens_per_s_best": best,

@@ -3,10 +3,9 @@ path it replaces, on the bundled model's shapes, per CPU dispatch in one run. JS
 
     .venv/bin/python -P benchmarks/route_audit.py [--dispatch native,avx2] [--rounds 5] [--out FILE]
 
-Attention (route_audit_attention.py): the native paged-decode kernel (decodes, prompt rows), the decode
-GEMMs, per-run flash merged against the gathered copy, and the plain path's own pieces against the gather
-backend; 1, 4 and
-16 decode rows over 64 to 2600 keys, 16 to 512 prompt rows with and without a cached prefix.
+Attention (route_audit_attention.py): the native paged kernel (decodes, prompt rows) against the CPU
+backend's plain path (gather + SDPA); 1, 4 and 16 decode rows over 64 to 2600 keys, 16 to 512 prompt rows
+with and without a cached prefix. `--routes native_kernel_decode` times the decodes alone.
 Projections (one layer's, in model order, as a step streams them; the head on its own): torch's int4
 weight-only kernel against the int8-dot kernel, the dense path (dequantize per call) and its native
 dequantization, the packed prompt copy, W8A8, and Int8Linear's routes (from the same weights), at 1, 4, 16
@@ -147,9 +146,7 @@ def plan_uses(engine: Any) -> dict[str, str]:
 
     attention = engine.plan.attention
     cpu = attention if isinstance(attention, CpuAttentionPlan) else None
-    kv_int8 = engine.plan.kv.dtype == torch.int8
-    native = cpu is not None and cpu.decode_kernel is not None
-    torch_decodes = "" if native else "decodes (the native kernel not taken)"
+    native = cpu is not None and cpu.kernel is not None
     plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {"rows": {}}
     rows = plan["rows"]
     dot = [k for k, p in rows.items() if p["weight_only"].startswith("int8 dot")]
@@ -157,14 +154,7 @@ def plan_uses(engine: Any) -> dict[str, str]:
     copies = [k for k, p in rows.items() if p["prompt_packed"]]
     uses = {
         "native_kernel_decode": "every decode and verify (up to 9 rows a span)" if native else "",
-        "native_kernel_prompt": "every prompt row (a prefix hit computes what the miss did)"
-        if cpu is not None and cpu.prompt_kernel is not None else "",
-        "decode_gemms": "" if kv_int8 or cpu is None or cpu.matmul_from is None else
-        torch_decodes and f"decodes over {cpu.matmul_from}+ keys",
-        "per_run_flash_merge": "" if kv_int8 else torch_decodes and "decodes over tables in 2-4 runs",
-        "gathered_flash": "" if kv_int8 else torch_decodes and "decodes over tables in 5+ runs",
-        "causal_sdpa": "" if native else "fresh prompts (no native kernel built)",
-        "prefix_fresh_merge": "" if native else "prompt chunks over a cached prefix (no native kernel built)",
+        "native_kernel_prompt": "every prompt row (a prefix hit computes what the miss did)" if native else "",
         "int8_dot": f"weight-only calls of {', '.join(dot)}" if dot else "",
         "dense_dequantized": f"prompt rows of {'; '.join(dense)}" if dense and not copies else "",
         "native_dequant": "the dense path's dequantization" if plan.get("native_dequant") and dense and not copies else "",
@@ -189,6 +179,8 @@ def child(args: argparse.Namespace) -> None:
     with torch.inference_mode():
         all_cases = route_audit_attention.cases(dtype=engine.dtype, kv_dtype=engine.plan.kv.dtype, kernel=kernel, gen=gen)
         all_cases += linear_cases(engine, dtype=engine.dtype, gen=gen)
+        if args.routes:
+            all_cases = [c for c in all_cases if c.route in args.routes.split(",")]
         ratios: dict[int, list[float]] = {i: [] for i in range(len(all_cases))}
         times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(all_cases))}
         for r in range(args.rounds):
@@ -228,6 +220,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget-ms", type=float, default=15.0, help="time per path per round (best of the calls)")
+    parser.add_argument("--routes", default="", help="only these routes (comma-separated; default: every route)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decodeservice.engine.attention.context_plan import AttentionChoice
 from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelConfig, SpeculativeConfig
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -26,7 +25,7 @@ from decodeservice.engine.outputs import (
     RequestOutput,
     SpecDecodeStats,
 )
-from decodeservice.engine.plan import CpuAttentionPlan, ExecutionPlan
+from decodeservice.engine.plan import ExecutionPlan
 from decodeservice.engine.plan.planner import execution_plan, plan_attention, plan_kv, plan_speculation
 from decodeservice.engine.quant import ActivationChoice, Int4Weight, plan_kernels, resolve_precision
 from decodeservice.engine.runner import ModelRunner, kv_bytes_per_block
@@ -112,12 +111,6 @@ class Engine:
         self.generation_tokens_total = 0
 
     # -- construction ------------------------------------------------------------------------------
-    @property
-    def attention_choice(self) -> AttentionChoice | None:
-        """CPU: the start-up measurement behind the attention plan (attention/context_plan.py)."""
-        attention = self.plan.attention
-        return attention.choice if isinstance(attention, CpuAttentionPlan) else None
-
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path = "smollm2-135m", **config: Any) -> Engine:
         """A known model name (pulled on first use), a .gguf file or a HF model directory."""

@@ -15,7 +15,7 @@ if [ $# -eq 0 ]; then
     # default engine's KV pool is int8 rows (engine/plan/planner.py: plan_kv).
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python -P -m pytest -q \
         tests/engine/quant tests/engine/test_quantized.py tests/engine/attention/test_native_decode.py \
-        tests/engine/attention/test_context_plan.py tests/engine/test_compiled_step.py \
+        tests/engine/attention/test_backends.py tests/engine/test_compiled_step.py \
         tests/engine/attention/test_kv_int8.py tests/engine/test_kv_int8_engine.py \
         tests/engine/test_prefix_consistency.py tests/engine/test_deterministic.py
 fi

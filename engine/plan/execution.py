@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import torch
 
-from decodeservice.engine.attention.context_plan import AttentionChoice
 from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.spec_decode.policy import StepCostCurve
 
@@ -40,18 +39,13 @@ class KvPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class CpuAttentionPlan:
-    """How the CPU backend (attention/paged_views.py) reads the pool, per span kind."""
+    """How the CPU backend (attention/paged_views.py) reads the pool: the native kernel, else the plain path."""
 
-    # From how many cached keys a decode or verify takes decode_matmul.py's two GEMMs (bf16/fp16 pools);
-    # None: the flash kernel at every length.
-    matmul_from: int | None
-    # The native paged-decode kernel (attention/native_decode.py) for one-token decodes, or None.
-    decode_kernel: ModuleType | None
-    # The same kernel for every prompt span wherever it is built (a prefix hit computes what the miss did).
-    prompt_kernel: ModuleType | None
+    # The native paged kernel (attention/native_decode.py) for every decode, verify and prompt span, or None:
+    # every span on the plain path (attention/gather.py).
+    kernel: ModuleType | None
     kv_int8: bool  # the pools hold int8 rows
     deterministic: bool  # every span through the kernel, a row per token
-    choice: AttentionChoice | None  # the start-up measurement behind matmul_from and decode_kernel
     why: str
 
     @property
@@ -59,11 +53,9 @@ class CpuAttentionPlan:
         return "paged_views"
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.backend, "matmul_from_keys": self.matmul_from,
-                "native_decode": self.decode_kernel is not None, "native_prompt": self.prompt_kernel is not None,
-                "kv_int8": self.kv_int8, "deterministic": self.deterministic, "why": self.why,
-                "source": self.choice.source if self.choice is not None else CONFIGURED,
-                "timings_us": self.choice.timings_us if self.choice is not None else {}}
+        return {"backend": self.backend, "native_decode": self.kernel is not None,
+                "native_prompt": self.kernel is not None, "kv_int8": self.kv_int8,
+                "deterministic": self.deterministic, "why": self.why, "source": "capability"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,13 +131,9 @@ class ExecutionPlan:
                  f"step: {self.step.executor}{', deterministic' if self.step.deterministic else ''} - {self.step.why}"]
         att = self.attention
         if isinstance(att, CpuAttentionPlan):
-            gemm = f"from {att.matmul_from} keys" if att.matmul_from is not None else "never"
-            lines.append(f"attention: {att.backend}; decodes take the two GEMMs {gemm}; one-token decodes take "
-                         f"{'the native kernel' if att.decode_kernel is not None else 'the torch paths'}; prompt spans "
-                         f"take {'the native kernel' if att.prompt_kernel is not None else 'the torch paths'} - "
-                         f"{att.why} [{d['attention']['source']}]")
-            for path, rungs in d["attention"]["timings_us"].items():
-                lines.append(f"  attention {path} us: {rungs}")
+            route = "the native kernel" if att.kernel is not None else "the plain path (gather + SDPA)"
+            lines.append(f"attention: {att.backend}; decodes, verifies and prompt spans take {route} - {att.why} "
+                         "[capability]")
         else:
             lines.append(f"attention: {att.backend} - {att.why} [capability]")
         if self.kernels is not None:

@@ -1,12 +1,11 @@
 """Builds the ExecutionPlan's parts at start-up: the decisions live here, the measurements in the modules
-they time (quant/kernel_plan.py, attention/context_plan.py, spec_decode/cost.py), called from here.
+they time (quant/kernel_plan.py, spec_decode/cost.py), called from here.
 
 CPU and CUDA are planned apart (`_cpu_attention`, `_cuda_attention`): each reads alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,7 +14,6 @@ import torch
 
 from decodeservice.engine.attention import native_decode
 from decodeservice.engine.attention.backend import AttentionBackend
-from decodeservice.engine.attention.context_plan import choose_attention
 from decodeservice.engine.config import EngineConfig, ModelConfig
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.kv_cache import cdiv
@@ -68,32 +66,26 @@ def plan_attention(config: EngineConfig, cfg: ModelConfig, *, activations: torch
 
 def _cpu_attention(config: EngineConfig, cfg: ModelConfig, *, activations: torch.dtype, kv: KvPlan
                    ) -> CpuAttentionPlan:
-    """This machine's context length from which a decode leaves the flash kernel for decode_matmul.py
-    (bf16/fp16 pools), and whether the native paged-decode kernel takes the step's one-token decodes
-    (measured: attention/context_plan.py)."""
-    native = native_decode.decode_extension() if native_decode.applies(activations, cfg.head_dim) else None
-    choice = choose_attention(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                              num_layers=cfg.num_layers, dtype=activations, block_size=config.block_size, native=native)
-    decode_kernel = native if choice.native_decode else None
-    why = "the kernel measured faster for decodes" if choice.native_decode else "the torch paths measured faster"
+    """The native paged kernel wherever it is built and takes these shapes, else the plain path alone
+    (attention/paged_views.py's docstring says why nothing is raced at start-up)."""
+    applies = native_decode.applies(activations, cfg.head_dim)
+    native = native_decode.decode_extension() if applies else None
+    if config.deterministic and native is None:
+        raise ConfigError(
+            f"deterministic mode runs every attention row through the native paged-decode kernel, which is "
+            f"not available here ({str(activations).removeprefix('torch.')} activations, head_dim "
+            f"{cfg.head_dim}: it takes float32 or bfloat16 and head_dim 32, 64 or 128, and needs a C++ "
+            "compiler at first start)")
     if config.deterministic:
-        if native is None:
-            raise ConfigError(
-                f"deterministic mode runs every attention row through the native paged-decode kernel, which is "
-                f"not available here ({str(activations).removeprefix('torch.')} activations, head_dim "
-                f"{cfg.head_dim}: it takes float32 or bfloat16 and head_dim 32, 64 or 128, and needs a C++ "
-                "compiler at first start)")
-        decode_kernel, why = native, "deterministic: every row through the native kernel"
-        choice = dataclasses.replace(choice, native_decode=True)
-    elif kv.dtype == torch.int8 and native is not None:
-        # Measured against bf16 pools; over int8 pools the torch paths read a dequantized copy of every
-        # key, so the kernel, which reads the rows in place, is the only fast decode.
-        decode_kernel, why = native, "int8 KV pools: the kernel reads their rows in place"
-        choice = dataclasses.replace(choice, native_decode=True)
-    # Prompt spans take the kernel wherever it is built, measured faster or not: a prefix hit must compute
-    # what the miss computed (attention/paged_views.py's docstring).
-    return CpuAttentionPlan(matmul_from=choice.min_context, decode_kernel=decode_kernel, prompt_kernel=native,
-                            kv_int8=kv.dtype == torch.int8, deterministic=config.deterministic, choice=choice, why=why)
+        why = "deterministic: every row through the native kernel"
+    elif native is not None:
+        why = "the native kernel is built and takes these shapes"
+    elif applies:
+        why = "the native kernel did not build here (disabled, no compiler, or it failed its self-check)"
+    else:
+        why = (f"the native kernel takes float32 or bfloat16 and head_dim 32, 64 or 128, not "
+               f"{str(activations).removeprefix('torch.')} and {cfg.head_dim}")
+    return CpuAttentionPlan(kernel=native, kv_int8=kv.dtype == torch.int8, deterministic=config.deterministic, why=why)
 
 
 def _cuda_attention(config: EngineConfig, *, device: torch.device, num_blocks: int) -> CudaAttentionPlan:
@@ -116,8 +108,7 @@ def build_backend(plan: AttentionPlan, *, num_blocks: int, block_size: int, devi
     if isinstance(plan, CpuAttentionPlan):
         from decodeservice.engine.attention.paged_views import PagedViewsBackend
 
-        return PagedViewsBackend(matmul_from=plan.matmul_from, decode_kernel=plan.decode_kernel,
-                                 prompt_kernel=plan.prompt_kernel, kv_int8=plan.kv_int8, deterministic=plan.deterministic)
+        return PagedViewsBackend(kernel=plan.kernel, kv_int8=plan.kv_int8, deterministic=plan.deterministic)
     if plan.backend == "flex":
         from decodeservice.engine.attention.flex import FlexPagedBackend
 

@@ -295,11 +295,9 @@ async def models(request: Request) -> Response:
         card["kv_cache_dtype"] = str(engine.kv_dtype).removeprefix("torch.")
         card["kv_cache_dtype_reason"] = engine.kv_dtype_reason
         card["deterministic"] = engine.config.deterministic  # every row on its one path (EngineConfig.deterministic)
-        if (plan := engine.model.kernel_plan) is not None:
+        if (plan := engine.plan.kernels) is not None:
             card["kernels"] = plan.describe()  # which CPU kernels this machine runs, and why
-        if (attention := engine.attention_choice) is not None:  # CPU: where decode_matmul.py takes over, the native kernel
-            card["attention"] = {"matmul_from_keys": attention.min_context, "native_decode": attention.native_decode,
-                                 "source": attention.source}
+        card["attention"] = engine.plan.attention.describe()  # CPU: whether the native kernel reads the pool
         card["plan"] = engine.plan.describe()  # every machine-dependent choice, as `decodectl engine --explain-plan`
         if engine.spec is not None:  # measured at start-up unless configured: what sets the drafts' k
             spec = engine.spec

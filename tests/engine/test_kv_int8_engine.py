@@ -70,7 +70,7 @@ def test_int8_rows_decode_the_bundled_model_close_to_its_own_pool(bundled: Model
     base = reference.generate([prompt], params)[0]
     backend = engine.runner.attention_backend
     assert isinstance(backend, PagedViewsBackend)
-    assert (backend.decode_kernel is not None) == (native_decode.decode_extension() is not None)
+    assert (backend.kernel is not None) == (native_decode.decode_extension() is not None)
     # Score base's tokens under the int8 engine one prefix at a time, so a flipped near-tie does not fork the text.
     gaps = []
     for i, token in enumerate(base.token_ids[:8]):

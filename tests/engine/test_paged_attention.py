@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decodeservice.engine import SamplingParams
-from decodeservice.engine.attention import decode_matmul, slot_runs
+from decodeservice.engine.attention import slot_runs
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from decodeservice.engine.runner import ModelRunner
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
@@ -150,13 +150,9 @@ def test_bundled_shared_prefix_follow_up_hits_and_matches(bundled: ModelBundle) 
 # bf16 keeps 8 significant bits, so paged and dense bf16 differ by rounding (summation order, where
 # scores and probabilities are rounded). The tolerance is calibrated on the model itself: the dense
 # bf16 recompute's distance from the fp32 recompute of the same weights (`noise`) is what bf16 costs
-# over the whole network. The paged path changes only how attention is summed, and decode_matmul.py
-# rounds the scores to bf16 once where the flash kernel keeps them fp32; this tiny random model has
-# scores in the hundreds, where that rounding weighs most (measured: a 6-row verify over 275 keys, GEMM
-# path 0.18 from dense bf16, flash kernel 0.063, noise 0.12). So the budget is twice the noise. On the
-# bundled model (int4, 1.5k-token prompt, 24 greedy tokens) GEMM vs flash decode differed by at most
-# 0.082 in a chosen token's logprob (mean 0.013), gather vs flash by 0.058 (mean 0.010), tokens equal.
-# A wrong mask, a missing key or a misplaced head moves logprobs by whole units.
+# over the whole network. The paged path changes only how attention is summed; this tiny random model
+# has scores in the hundreds, where rounding weighs most, so the budget is twice the noise. A wrong
+# mask, a missing key or a misplaced head moves logprobs by whole units.
 BF16_BUDGET = 2.0
 
 
@@ -183,13 +179,11 @@ def assert_within_bf16_noise(reference: ModelBundle, bf16: ModelBundle, tokens: 
     assert error <= BF16_BUDGET * noise, f"paged bf16 is {error:.4f} from dense bf16, which is {noise:.4f} from fp32"
 
 
-@pytest.mark.parametrize("matmul_from", [1, None], ids=["gemm_decode", "flash_only"])
 def test_bf16_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(
-        bf16_twins: tuple[ModelBundle, ModelBundle], matmul_from: int | None) -> None:
-    # As test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts, in bf16, with decode and
-    # verify spans on decode_matmul.py (from any context length) and, for the A/B, on the flash kernel.
+        bf16_twins: tuple[ModelBundle, ModelBundle]) -> None:
+    # As test_runner_equals_dense_over_scattered_blocks_with_unequal_drafts, in bf16, on the plain path.
     reference, bf16 = bf16_twins
-    backend = PagedViewsBackend(matmul_from=matmul_from)
+    backend = PagedViewsBackend()
     runner = ModelRunner(bf16.model, num_blocks=200, block_size=4, device=torch.device("cpu"),
                          dtype=torch.bfloat16, attention_backend=backend)
     for k_cache, v_cache in runner.kv_caches:  # stale, finite values where no sequence wrote: never read
@@ -199,27 +193,17 @@ def test_bf16_runner_equals_dense_over_scattered_blocks_with_unequal_drafts(
     # Long contexts, read in place by both backends.
     prompts = [list(range(100, 400)), list(range(500, 519)), list(range(900, 1170))]
 
-    def on_gemm_path(verifies: list[ScheduledSequence]) -> None:  # the spans this test is about take it
-        assert matmul_from is not None
-        spans = runner.build_batch(verifies)[0].attn.meta.spans
-        assert all(decode_matmul.applies(s, torch.bfloat16, min_context=matmul_from) for s in spans)
-        assert any(s.context_len % 4 for s in spans), "a last block read past the context (the padding)"
-
-    _, checks = chunk_then_verify(runner, pool, prompts, before_verify=None if matmul_from is None else on_gemm_path)
+    _, checks = chunk_then_verify(runner, pool, prompts)
     for tokens, first, rows in checks:
         assert rows is not None
         assert_within_bf16_noise(reference, bf16, tokens, first, rows)
 
 
-@pytest.mark.parametrize("matmul_from", [64, None], ids=["gemm_decode", "flash_only"])
-def test_bf16_engine_decode_and_prefix_hit_equal_dense(bf16_twins: tuple[ModelBundle, ModelBundle],
-                                                       matmul_from: int | None) -> None:
+def test_bf16_engine_decode_and_prefix_hit_equal_dense(bf16_twins: tuple[ModelBundle, ModelBundle]) -> None:
     # Through the engine in bf16: chunked prefill over a cached prefix (24-token budget), batched
-    # decodes, a prefix-cache hit; decode on decode_matmul.py from 64 keys of context (the engine's
-    # default is 1k, beyond this tiny model's positions), or on the flash kernel only.
+    # decodes, a prefix-cache hit, as its plan reads the pool.
     reference, bf16 = bf16_twins
     engine = bf16.engine(block_size=16, max_num_batched_tokens=96, max_model_len=512, num_gpu_blocks_override=96)
-    engine.runner.attention_backend = PagedViewsBackend(matmul_from=matmul_from)
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     # Long contexts, read in place by both backends.

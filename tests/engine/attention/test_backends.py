@@ -16,13 +16,12 @@ from decodeservice.engine.attention import (
     StepAttention,
     attend,
     backend_for,
-    decode_matmul,
     slot_runs,
 )
 from decodeservice.engine.attention.flex import FlexPagedBackend
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.attention.metadata import trim_runs
-from decodeservice.engine.attention.paged_views import MAX_RUNS, PagedViewsBackend
+from decodeservice.engine.attention.paged_views import PagedViewsBackend
 
 H, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 200
 
@@ -92,8 +91,8 @@ def build_step(dtype: torch.dtype, backend: AttentionBackend, seed: int = 0, *, 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "per_sequence"])
 def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.dtype, atol: float,
                                         planned: bool) -> None:
-    # Planned or not, the CPU backend without its native kernel reads every sequence in place. Flex (eager
-    # here) plans in attend() when it was not planned.
+    # Planned or not, the CPU backend without its native kernel takes the plain path for every sequence.
+    # Flex (eager here) plans in attend() when it was not planned.
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
     if planned:
         step = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
@@ -101,31 +100,8 @@ def test_backend_equals_dense_reference(backend: AttentionBackend, dtype: torch.
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), reference, atol=atol, rtol=0)
     runs = [len(s.runs) for s in step.meta.spans]
-    # Covered: one run, a few runs merged by log-sum-exp, and a table too scattered, gathered.
-    assert 1 in runs and any(1 < r <= MAX_RUNS for r in runs) and any(r > MAX_RUNS for r in runs)
-
-
-@pytest.mark.parametrize("planned", [True, False], ids=["planned", "per_sequence"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_gemm_decode_equals_dense_reference(dtype: torch.dtype, planned: bool) -> None:
-    # decode_matmul.py from any context length: every span of at most decode_matmul.MAX_QUERY new tokens (decodes,
-    # verifies with unequal drafts, short prompt chunks over a cached prefix, over one run, a few runs and a
-    # scattered table) goes through the two GEMMs in bf16/fp16; fp32 stays on the flash kernel. Its
-    # error may exceed the flash kernel's by the one extra rounding of the scores, no more.
-    backend = PagedViewsBackend(matmul_from=1)
-    step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend)
-    gemm = dtype != torch.float32
-    if planned:
-        step = StepAttention(meta=backend.plan(step.meta, dtype=dtype), backend=backend)
-    taken = [decode_matmul.applies(s, dtype, min_context=1) for s in step.meta.spans]
-    assert sum(taken) == (len(SEQUENCES) if gemm else 0)
-    assert not gemm or any(s.context_len % BS for s, t in zip(step.meta.spans, taken, strict=True) if t)
-    out = attend(q, k, v, k_cache, v_cache, step)
-    flash = attend(q, k, v, k_cache, v_cache, StepAttention(meta=step.meta, backend=PagedViewsBackend(matmul_from=None)))
-    error, flash_error = float((out.double() - reference).abs().max()), float((flash.double() - reference).abs().max())
-    assert out.dtype == dtype and out.shape == q.shape
-    # bf16: 0.0075 vs the flash kernel's 0.0048 when measured; fp16 0.0011 vs 0.00066; fp32 identical.
-    assert error <= 2 * flash_error + 1e-6, f"GEMM path {error:.5f}, flash kernel {flash_error:.5f}"
+    # Covered: tables in one run of slots, a few runs, and scattered over many.
+    assert 1 in runs and any(1 < r <= 4 for r in runs) and any(r > 4 for r in runs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path (gather backend, "

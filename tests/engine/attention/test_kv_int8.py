@@ -57,8 +57,8 @@ def test_int8_pools_equal_dense_attention_over_their_values(dtype: torch.dtype, 
         backend, head_dim = GatherBackend(), 8
     else:
         module = request.getfixturevalue("kernel") if backend_name.startswith("paged_views_native") else None
-        # paged_views_native_decodes: verifies and chunks over a dequantized copy of their prefix
-        backend, head_dim = PagedViewsBackend(matmul_from=64, decode_kernel=module, kv_int8=True, kernel_max_new=1
+        # paged_views_native_decodes: verifies over the plain path's dequantized copy of their keys
+        backend, head_dim = PagedViewsBackend(kernel=module, kv_int8=True, kernel_max_new=1
                                               if backend_name == "paged_views_native_decodes" else native_decode.MAX_NEW), 64
     step, q, k, v, k_pool, v_pool = int8_step(dtype, backend, head_dim=head_dim)
     out = attend(q, k, v, k_pool, v_pool, step)

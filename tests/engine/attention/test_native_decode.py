@@ -105,7 +105,7 @@ def test_the_backend_hands_it_the_short_spans_and_the_rest_to_torch(kernel: Modu
                                                                     atol: float, max_new: int) -> None:
     # The mixed step of test_backends (decodes, verifies, prompt chunks; scattered and contiguous tables):
     # spans of up to max_new tokens go to the kernel in one call, a row per token; the rest to torch.
-    backend = PagedViewsBackend(decode_kernel=kernel, kernel_max_new=max_new)
+    backend = PagedViewsBackend(kernel=kernel, kernel_max_new=max_new)
     step, q, k, v, k_cache, v_cache, reference = build_step(dtype, backend, head_dim=64)
     planned = backend.plan(step.meta, dtype=dtype)
     taken = [i for i, (num_new, _, _) in enumerate(SEQUENCES) if num_new <= max_new]
@@ -116,7 +116,7 @@ def test_the_backend_hands_it_the_short_spans_and_the_rest_to_torch(kernel: Modu
 
 
 def test_a_step_of_decodes_only_is_one_call(kernel: ModuleType) -> None:
-    backend = PagedViewsBackend(decode_kernel=kernel)
+    backend = PagedViewsBackend(kernel=kernel)
     gen = torch.Generator().manual_seed(7)
     q, k_cache, v_cache, tables, lengths = random_pool(gen, lengths=[9, 64, 130], heads=9, kv_heads=3, head_dim=64,
                                                        block_size=16, dtype=torch.bfloat16)
@@ -192,7 +192,7 @@ def test_a_verify_is_its_positions_decodes_bit_for_bit(kernel: ModuleType) -> No
                         runs=slot_runs(tables[0].tolist(), num_tokens=70, block_size=16),
                         block_table=tables[0, :5].long())
     slots = [int(tables[0, p // 16]) * 16 + p % 16 for p in range(65, 70)]
-    backend = PagedViewsBackend(decode_kernel=kernel)
+    backend = PagedViewsBackend(kernel=kernel)
     meta = backend.plan(AttentionMetadata(slot_mapping=torch.tensor(slots), spans=(span,), block_size=16),
                         dtype=torch.bfloat16)
     assert meta.decode_group is not None and meta.decode_group.context_lens.tolist() == [66, 67, 68, 69, 70]

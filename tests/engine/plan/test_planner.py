@@ -28,12 +28,11 @@ def test_each_component_gets_its_part_of_the_plan_at_construction(tiny: ModelBun
     assert isinstance(plan, ExecutionPlan) and isinstance(plan.attention, CpuAttentionPlan)
     backend = engine.runner.attention_backend
     assert isinstance(backend, PagedViewsBackend)
-    assert backend.matmul_from == plan.attention.matmul_from
-    assert backend.decode_kernel is plan.attention.decode_kernel and backend.prompt_kernel is plan.attention.prompt_kernel
+    assert backend.kernel is plan.attention.kernel
     assert backend.kv_int8 is plan.attention.kv_int8 is False and engine.kv_dtype == plan.kv.dtype
     assert plan.step.executor == "eager" and plan.kernels is None and plan.speculation is None
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.attention.matmul_from = 1  # type: ignore[misc]
+        plan.attention.kernel = None  # type: ignore[misc]
     described = plan.describe()
     assert described["kv_cache"]["dtype"] == "float32" and described["attention"]["backend"] == "paged_views"
 
@@ -44,12 +43,11 @@ def test_int8_pools_take_only_a_backend_planned_for_them(tiny: ModelBundle) -> N
     with pytest.raises(ValueError, match="planned for them"):
         ModelRunner(tiny.model, num_blocks=8, block_size=4, device=CPU, dtype=torch.float32, kv_dtype=torch.int8,
                     attention_backend=PagedViewsBackend())
-    planned = CpuAttentionPlan(matmul_from=None, decode_kernel=None, prompt_kernel=None, kv_int8=True,
-                               deterministic=False, choice=None, why="test")
+    planned = CpuAttentionPlan(kernel=None, kv_int8=True, deterministic=False, why="test")
     runner = ModelRunner(tiny.model, num_blocks=8, block_size=4, device=CPU, dtype=torch.float32, kv_dtype=torch.int8,
                          attention=planned)
     assert isinstance(runner.attention_backend, PagedViewsBackend) and runner.attention_backend.kv_int8
-    assert runner.attention_backend.matmul_from is None
+    assert runner.attention_backend.kernel is None
     assert isinstance(ModelRunner(tiny.model, num_blocks=8, block_size=4, device=CPU, dtype=torch.float32,
                                   kv_dtype=torch.int8, attention_backend=GatherBackend()).attention_backend, GatherBackend)
     assert isinstance(build_backend(planned, num_blocks=8, block_size=4, device=CPU), PagedViewsBackend)
