@@ -24,9 +24,14 @@ from decodeservice.engine.cpp_extensions import build_extension
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 HEADERS = (Path(__file__).with_name("paged_decode_vectors.h"),)
 DTYPES = (torch.float32, torch.bfloat16)
-# Keys per work item. A long sequence is split so both cores share it (flash-decoding) and a chunk's
-# scores (H x chunk fp32) stay in L1/L2; measured per call in benchmarks/long_context.py.
-CHUNK = 256
+# Keys per work item: every row's keys split at the multiples of CHUNK, whatever its length and the thread
+# count, so that a row's result is the same alone, in a batch or in a tile of its prompt. Small enough
+# that the items of one long decode deal out evenly over the threads, and a piece's scores (H x CHUNK
+# fp32 per row) stay in L1/L2 (benchmarks/prompt_attention.py measures decode and prompt rows).
+CHUNK = 128
+# Consecutive rows of one sequence (a prompt chunk, a verify) read each K/V row once for up to this many
+# rows: a prompt's rows otherwise each stream their keys anew (benchmarks/prompt_attention.py).
+TILE_ROWS = 16
 # Spans of up to this many new tokens take the kernel, a row per token (build_decode_group): a verify of
 # up to 8 drafts. A row per token costs more as the span grows, and from 16 tokens the torch paths'
 # one call for the span caught up, so longer spans (prompt chunks) stay on them (a per-layer A/B whose
@@ -65,18 +70,23 @@ class DecodeGroup:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, *, module: ModuleType, chunk: int = CHUNK) -> torch.Tensor:
-    """q (B, H, D), caches (num_blocks, block_size, Hkv, D), tables (B, M) int32, lengths (B,) -> (B, H, D)."""
+                 context_lens: torch.Tensor, *, module: ModuleType, chunk: int = CHUNK,
+                 tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """q (B, H, D), caches (num_blocks, block_size, Hkv, D), tables (B, M) int32, lengths (B,) -> (B, H, D).
+
+    Each row's result is bit for bit the same for every `tile_rows` (1: a row at a time)."""
     out = torch.empty_like(q)
-    module.paged_decode(q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, chunk, out)
+    module.paged_decode(q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, chunk, tile_rows, out)
     return out
 
 
 def paged_decode_int8(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, *, module: ModuleType, chunk: int = CHUNK) -> torch.Tensor:
+                      context_lens: torch.Tensor, *, module: ModuleType, chunk: int = CHUNK,
+                      tile_rows: int = TILE_ROWS) -> torch.Tensor:
     """paged_decode over int8 pools (num_blocks, block_size, Hkv, D + 4) of kv_int8.py's rows."""
     out = torch.empty_like(q)
-    module.paged_decode_int8(q, k_pool, v_pool, block_tables, context_lens, q.shape[-1] ** -0.5, chunk, out)
+    module.paged_decode_int8(q, k_pool, v_pool, block_tables, context_lens, q.shape[-1] ** -0.5, chunk, tile_rows,
+                             out)
     return out
 
 

@@ -55,60 +55,72 @@ inline float row_scale(const int8_t* codes, int64_t d) {
   return scale;
 }
 
-// A sequence shorter than this many keys a thread is not split for balance: a piece's merge would cost more.
-constexpr int64_t kMinKeysPerPiece = 64;
-
-struct Item {
-  int64_t sequence, first_key, num_keys;
+// A tile: consecutive kernel rows of one sequence (a prompt chunk or a verify: one table, lengths n, n + 1,
+// ...). Its K/V rows are read once for all of its rows; each row's result stays bit for bit the one it gets
+// alone (a tile of one): the same keys in the same order, the same pieces, the same sums.
+struct Tile {
+  int64_t first_row, rows;
 };
 
-// The element offset of each of the chunk's keys in the pool, computed once per chunk: a division
-// per key and head in the loops below cost more than their arithmetic.
-void slot_offsets(const int32_t* table, int64_t block_size, int64_t slot_stride, const Item& item,
-                  std::vector<int64_t>& offsets) {
-  offsets.resize(static_cast<size_t>(item.num_keys));
-  int64_t key = item.first_key, t = 0;
-  while (t < item.num_keys) {
+// A work item: keys [first_key, first_key + num_keys) of a tile (num_keys: its longest row's share);
+// its rows' partial results sit at `result` onward, a row each.
+struct Item {
+  int64_t tile, first_key, num_keys, result;
+};
+
+// The element offset of each of the item's keys in the pool, computed once per item: a division per key
+// and head in the loops below cost more than their arithmetic. Padded to a whole number of `multiple`
+// keys with the last key's offset (its score is computed and discarded, see attend_tile).
+void slot_offsets(const int32_t* table, int64_t block_size, int64_t slot_stride, int64_t first_key, int64_t num_keys,
+                  int64_t multiple, std::vector<int64_t>& offsets) {
+  offsets.resize(static_cast<size_t>((num_keys + multiple - 1) / multiple * multiple));
+  int64_t key = first_key, t = 0;
+  while (t < num_keys) {
     const int64_t block = key / block_size, within = key % block_size;
-    const int64_t run = std::min(block_size - within, item.num_keys - t);
+    const int64_t run = std::min(block_size - within, num_keys - t);
     const int64_t base = (static_cast<int64_t>(table[block]) * block_size + within) * slot_stride;
     for (int64_t i = 0; i < run; ++i) offsets[static_cast<size_t>(t + i)] = base + i * slot_stride;
     t += run;
     key += run;
   }
+  std::fill(offsets.begin() + num_keys, offsets.end(), offsets[static_cast<size_t>(num_keys - 1)]);
 }
 
-// Scores of keys [t, t + kKeys) for every head; their K rows stay in registers across the G heads.
+// Scores of keys [t, t + kKeys) for every head of every row; their K rows stay in registers across them.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void score_keys(const float* queries, const T* k_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t stride, int64_t hkv, int64_t groups, float* scores) {
+                       int64_t stride, int64_t hkv, int64_t groups, int64_t rows, float* scores) {
   constexpr int64_t d = kChunks * kLanes, row = d + kRowExtra<T>;
+  const int64_t h = hkv * groups;
   for (int64_t j = 0; j < hkv; ++j) {
     Vec k[kKeys][kChunks];
     for (int64_t i = 0; i < kKeys; ++i) load_row<kChunks>(k_pool + offsets[static_cast<size_t>(t + i)] + j * row, k[i]);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* q = queries + (j * groups + g) * d;
-      Vec dot[kKeys];
-      for (int64_t i = 0; i < kKeys; ++i) dot[i] = zero();
-      for (int64_t c = 0; c < kChunks; ++c) {
-        const Vec qc = load(q + c * kLanes);
-        for (int64_t i = 0; i < kKeys; ++i) dot[i] = fmadd(qc, k[i][c], dot[i]);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t head = r * h + j * groups + g;
+        const float* q = queries + head * d;
+        Vec dot[kKeys];
+        for (int64_t i = 0; i < kKeys; ++i) dot[i] = zero();
+        for (int64_t c = 0; c < kChunks; ++c) {
+          const Vec qc = load(q + c * kLanes);
+          for (int64_t i = 0; i < kKeys; ++i) dot[i] = fmadd(qc, k[i][c], dot[i]);
+        }
+        store_sums<kKeys>(dot, scores + head * stride + t);
+        if constexpr (std::is_same<T, int8_t>::value)  // the row's scale, applied to its score
+          for (int64_t i = 0; i < kKeys; ++i)
+            scores[head * stride + t + i] *= row_scale(k_pool + offsets[static_cast<size_t>(t + i)] + j * row, d);
       }
-      store_sums<kKeys>(dot, scores + (j * groups + g) * stride + t);
-      if constexpr (std::is_same<T, int8_t>::value)  // the row's scale, applied to its score
-        for (int64_t i = 0; i < kKeys; ++i)
-          scores[(j * groups + g) * stride + t + i] *= row_scale(k_pool + offsets[static_cast<size_t>(t + i)] + j * row, d);
-    }
   }
 }
 
-// The probabilities of keys [t, t + kKeys) times their V rows, added to every head's output: each
-// output vector is loaded and stored once per kKeys keys, not once per key. Over int8 pools the
-// probabilities already carry their V row's scale (attend_chunk).
+// The probabilities of keys [t, t + kKeys) times their V rows, added to every row's and head's output: each
+// output vector is loaded and stored once per kKeys keys. Over int8 pools the probabilities already carry
+// their V row's scale (attend_tile). Per output element a chain of fmadds in key order, whatever kKeys.
 template <int64_t kKeys, int64_t kChunks, typename T>
 inline void add_values(const float* scores, const T* v_pool, const std::vector<int64_t>& offsets, int64_t t,
-                       int64_t stride, int64_t hkv, int64_t groups, float* acc) {
+                       int64_t stride, int64_t hkv, int64_t groups, int64_t rows, float* acc) {
   constexpr int64_t d = kChunks * kLanes, row_size = d + kRowExtra<T>;
+  const int64_t h = hkv * groups;
   for (int64_t j = 0; j < hkv; ++j) {
     for (int64_t c = 0; c < kChunks; c += 2) {  // two vectors at a time: one bf16 load splits into two
       Vec v[kKeys][2];
@@ -118,51 +130,64 @@ inline void add_values(const float* scores, const T* v_pool, const std::vector<i
         v[i][0] = row[0];
         v[i][1] = row[1];
       }
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t head = j * groups + g;
-        float* out = acc + head * d + c * kLanes;
-        Vec lo = load(out), hi = load(out + kLanes);
-        for (int64_t i = 0; i < kKeys; ++i) {
-          const Vec weight = broadcast(scores[static_cast<size_t>(head * stride + t + i)]);
-          lo = fmadd(weight, v[i][0], lo);
-          hi = fmadd(weight, v[i][1], hi);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t head = r * h + j * groups + g;
+          float* out = acc + head * d + c * kLanes;
+          Vec lo = load(out), hi = load(out + kLanes);
+          for (int64_t i = 0; i < kKeys; ++i) {
+            const Vec weight = broadcast(scores[head * stride + t + i]);
+            lo = fmadd(weight, v[i][0], lo);
+            hi = fmadd(weight, v[i][1], hi);
+          }
+          store(out, lo);
+          store(out + kLanes, hi);
         }
-        store(out, lo);
-        store(out + kLanes, hi);
-      }
     }
   }
 }
 
-// One chunk of one sequence, all heads, each slot's K (then V) rows read in pool order: per query head
+// One item: `rows` rows, row r seeing the first row_keys[r] of the item's n keys (0 to n). Per row and head
 // the max score, the sum of exp and the unnormalized output (stored order). kChunks = D / kLanes.
+// A row's scores past its keys are -inf before its softmax (as alone) and 0 after it: a weight of 0 adds
+// 0 * v = 0 to a sum that is never -0 (it starts at +0), which leaves it bit for bit as it was.
 template <int64_t kChunks, typename T>
-void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const T* k_pool, const T* v_pool,
-                  const std::vector<int64_t>& offsets, const Item& item, int64_t hkv, int64_t groups,
-                  float* max_out /* (H) */, float* sum_out /* (H) */, float* acc /* (H, D) */,
-                  std::vector<float>& scores) {
+void attend_tile(const float* queries /* (R, H, D), scaled, stored order */, const T* k_pool, const T* v_pool,
+                 const std::vector<int64_t>& offsets, int64_t n, int64_t rows, const int64_t* row_keys, int64_t hkv,
+                 int64_t groups, float* max_out /* (R, H) */, float* sum_out /* (R, H) */, float* acc /* (R, H, D) */,
+                 std::vector<float>& scores) {
   constexpr int64_t d = kChunks * kLanes;
-  // Four keys' K rows in registers where they fit (AVX-512, D <= 64: 16 of 32); AVX2 has 16 in all.
+  // Four keys' K rows in registers where they fit (AVX-512, D <= 64: 16 of 32); AVX2 has 16 in all. The
+  // keys go in fours up to the padded end (store_sums<4>'s adds for every key, whatever the key count).
   constexpr int64_t kKeys = (kLanes == 16 && kChunks <= 4) ? 4 : 1;
-  const int64_t n = item.num_keys, h = hkv * groups;
-  const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;  // a head's row of scores, -inf past n
-  scores.resize(static_cast<size_t>(h * stride));
-  for (int64_t head = 0; head < h; ++head)
-    std::fill(scores.begin() + head * stride + n, scores.begin() + (head + 1) * stride, -std::numeric_limits<float>::infinity());
-  int64_t t = 0;
+  const int64_t h = hkv * groups;
+  const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;  // a head's row of scores
+  scores.resize(static_cast<size_t>(rows * h * stride));
   const int64_t slot = hkv * (d + kRowExtra<T>);
-  for (; t + kKeys <= n; t += kKeys) {
+  for (int64_t t = 0; t < n; t += kKeys) {
     for (int64_t i = t; i < t + kKeys; ++i) {
       if (i + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(i + kPrefetchKeys)], slot);
       prefetch_slot(v_pool + offsets[static_cast<size_t>(i)], slot);
     }
-    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data());
+    score_keys<kKeys, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, rows, scores.data());
   }
-  for (; t < n; ++t) score_keys<1, kChunks>(queries, k_pool, offsets, t, stride, hkv, groups, scores.data());
-  for (int64_t head = 0; head < h; ++head) {
-    float total = 0.0f;
-    max_out[head] = softmax_numerators(scores.data() + head * stride, stride, total);
-    sum_out[head] = total;
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t keys = row_keys[r], own = (keys + kLanes - 1) / kLanes * kLanes;
+    for (int64_t head = r * h; head < (r + 1) * h; ++head) {
+      float* s = scores.data() + head * stride;
+      if (keys == 0) {
+        std::fill(s, s + stride, 0.0f);
+        max_out[head] = kMinusInf;
+        sum_out[head] = 0.0f;
+        continue;
+      }
+      std::fill(s + keys, s + stride, kMinusInf);
+      float total = 0.0f;
+      max_out[head] = softmax_numerators(s, own, total);
+      sum_out[head] = total;
+      std::fill(s + own, s + stride, 0.0f);
+    }
   }
   if constexpr (std::is_same<T, int8_t>::value) {
     // Each V row's scale folded into its keys' weights once here: add_values multiplied it in again for
@@ -171,87 +196,140 @@ void attend_chunk(const float* queries /* (H, D), scaled, stored order */, const
     // 1 thread 161 -> 146; the same bits out).
     for (int64_t j = 0; j < hkv; ++j)
       for (int64_t i = 0; i < n; ++i) {
-        const float row = row_scale(v_pool + offsets[static_cast<size_t>(i)] + j * (d + kRowExtra<T>), d);
-        for (int64_t g = 0; g < groups; ++g) scores[static_cast<size_t>((j * groups + g) * stride + i)] *= row;
+        const float scale = row_scale(v_pool + offsets[static_cast<size_t>(i)] + j * (d + kRowExtra<T>), d);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t g = 0; g < groups; ++g) scores[static_cast<size_t>((r * h + j * groups + g) * stride + i)] *= scale;
       }
   }
-  std::fill(acc, acc + h * d, 0.0f);
+  std::fill(acc, acc + rows * h * d, 0.0f);
   constexpr int64_t kValueKeys = 4;
-  for (t = 0; t + kValueKeys <= n; t += kValueKeys) {
-    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc);
+  int64_t t = 0;
+  for (; t + kValueKeys <= n; t += kValueKeys)
+    add_values<kValueKeys, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, rows, acc);
+  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, rows, acc);
+}
+
+// Tiles of up to `tile_rows` rows: a row joins the tile before it where it is the next position of the same
+// sequence (its length one more, the same blocks under its keys).
+std::vector<Tile> find_tiles(const int32_t* lens, const int32_t* tables, int64_t b, int64_t max_blocks,
+                             int64_t block_size, int64_t tile_rows) {
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < b; ++s) {
+    const int64_t blocks = (lens[s] + block_size - 1) / block_size;
+    if (!tiles.empty() && tiles.back().rows < tile_rows && lens[s] == lens[s - 1] + 1 &&
+        std::memcmp(tables + s * max_blocks, tables + (s - 1) * max_blocks, static_cast<size_t>(blocks) * 4) == 0) {
+      ++tiles.back().rows;
+    } else {
+      tiles.push_back({s, 1});
+    }
   }
-  for (; t < n; ++t) add_values<1, kChunks>(scores.data(), v_pool, offsets, t, stride, hkv, groups, acc);
+  return tiles;
 }
 
 // T: the pools' element type; TQ: the query's and output's (T itself, or bf16 over int8 pools).
+// Pieces split at the multiples of `chunk` keys, the same for every row whatever its length or the thread
+// count (a row's result must not depend on them). The items are dealt to the threads in runs of equal
+// work (rows x keys): a long single decode is split where its pieces' keys halve, not where their count does.
 template <typename T, typename TQ = T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-            const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
+            const at::Tensor& context_lens, double scale, int64_t chunk, int64_t tile_rows, at::Tensor& out) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
   const int64_t max_blocks = tables.size(1);
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  std::vector<Item> items;
-  std::vector<int64_t> first_item(static_cast<size_t>(b + 1));
+  const int32_t* table_data = tables.data_ptr<int32_t>();
   for (int64_t s = 0; s < b; ++s) {
-    first_item[static_cast<size_t>(s)] = static_cast<int64_t>(items.size());
     TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "context length outside its block table");
-    const int32_t* row = tables.data_ptr<int32_t>() + s * max_blocks;
+    const int32_t* row = table_data + s * max_blocks;
     for (int64_t blk = 0; blk < (lens[s] + block_size - 1) / block_size; ++blk)
       TORCH_CHECK(row[blk] >= 0 && row[blk] < k_cache.size(0), "block id outside the pool");
-    // Pieces of equal size, as many as a multiple of the threads: fixed `chunk`-key pieces split a 2600-key
-    // sequence 6/5 over 2 threads, the last of them 40 keys, so one thread scanned 1536 keys, the other 1064.
-    int64_t pieces = (lens[s] + chunk - 1) / chunk;
-    if (lens[s] >= threads * kMinKeysPerPiece) pieces = (pieces + threads - 1) / threads * threads;
-    const int64_t piece = (lens[s] + pieces - 1) / pieces;
-    for (int64_t first = 0; first < lens[s]; first += piece) items.push_back({s, first, std::min<int64_t>(piece, lens[s] - first)});
   }
-  first_item[static_cast<size_t>(b)] = static_cast<int64_t>(items.size());
+  const std::vector<Tile> tiles = find_tiles(lens, table_data, b, max_blocks, block_size, tile_rows);
+  std::vector<Item> items;
+  std::vector<int64_t> first_item, row_tile(static_cast<size_t>(b));
+  int64_t results = 0;
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+    const Tile& tile = tiles[static_cast<size_t>(t)];
+    first_item.push_back(static_cast<int64_t>(items.size()));
+    for (int64_t r = 0; r < tile.rows; ++r) row_tile[static_cast<size_t>(tile.first_row + r)] = t;
+    const int64_t longest = lens[tile.first_row + tile.rows - 1];
+    for (int64_t first = 0; first < longest; first += chunk, results += tile.rows)
+      items.push_back({t, first, std::min<int64_t>(chunk, longest - first), results});
+  }
+  first_item.push_back(static_cast<int64_t>(items.size()));
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t num_items = static_cast<int64_t>(items.size());
-  std::vector<float> maxes(static_cast<size_t>(num_items * h)), sums(static_cast<size_t>(num_items * h));
-  std::vector<float> accs(static_cast<size_t>(num_items * h * d));
+  std::vector<int64_t> until(static_cast<size_t>(num_items + 1), 0);  // work before each item
+  for (int64_t i = 0; i < num_items; ++i) {
+    const Item& item = items[static_cast<size_t>(i)];
+    until[static_cast<size_t>(i + 1)] = until[static_cast<size_t>(i)] + tiles[static_cast<size_t>(item.tile)].rows * item.num_keys;
+  }
+  std::vector<int64_t> deal(static_cast<size_t>(threads + 1), num_items);  // thread p: items [deal[p], deal[p + 1])
+  deal[0] = 0;
+  for (int64_t p = 1, i = 0; p < threads; ++p) {
+    const double target = static_cast<double>(until.back()) * static_cast<double>(p) / static_cast<double>(threads);
+    while (i < num_items && static_cast<double>(until[static_cast<size_t>(i + 1)]) <= target) ++i;
+    if (i < num_items && target - static_cast<double>(until[static_cast<size_t>(i)]) >
+                             static_cast<double>(until[static_cast<size_t>(i + 1)]) - target) ++i;  // the nearer end
+    deal[static_cast<size_t>(p)] = i;
+  }
+  std::vector<float> maxes(static_cast<size_t>(results * h)), sums(static_cast<size_t>(results * h));
+  std::vector<float> accs(static_cast<size_t>(results * h * d));
   const T* k_pool = k_cache.data_ptr<T>();
   const T* v_pool = v_cache.data_ptr<T>();
   const TQ* q_data = q.data_ptr<TQ>();
-  const int32_t* table_data = tables.data_ptr<int32_t>();
   const int64_t chunks = d / kLanes;
   std::vector<int64_t> order(static_cast<size_t>(d));  // element e's place in stored order
   for (int64_t e = 0; e < d; ++e) order[static_cast<size_t>(e)] = stored_index<T>(e);
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(static_cast<size_t>(h * d)), scores;
-    std::vector<int64_t> offsets;
-    for (int64_t i = begin; i < end; ++i) {
+  std::vector<float> queries(static_cast<size_t>(b * h * d));  // scaled, stored order
+  at::parallel_for(0, b * h, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t e = 0; e < d; ++e)
+        queries[static_cast<size_t>(row * d + order[static_cast<size_t>(e)])] =
+            static_cast<float>(q_data[row * d + e]) * static_cast<float>(scale);
+  });
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> offsets, row_keys;
+    for (int64_t i = deal[static_cast<size_t>(begin)]; i < deal[static_cast<size_t>(end)]; ++i) {
       const Item& item = items[static_cast<size_t>(i)];
-      const TQ* q_row = q_data + item.sequence * h * d;
-      for (int64_t head = 0; head < h; ++head)
-        for (int64_t e = 0; e < d; ++e)
-          queries[static_cast<size_t>(head * d + order[static_cast<size_t>(e)])] =
-              static_cast<float>(q_row[head * d + e]) * static_cast<float>(scale);
-      slot_offsets(table_data + item.sequence * max_blocks, block_size, hkv * (d + kRowExtra<T>), item, offsets);
-      float *m = maxes.data() + i * h, *l = sums.data() + i * h, *acc = accs.data() + i * h * d;
+      const Tile& tile = tiles[static_cast<size_t>(item.tile)];
+      row_keys.resize(static_cast<size_t>(tile.rows));
+      for (int64_t r = 0; r < tile.rows; ++r)
+        row_keys[static_cast<size_t>(r)] = std::clamp<int64_t>(lens[tile.first_row + r] - item.first_key, 0, item.num_keys);
+      slot_offsets(table_data + tile.first_row * max_blocks, block_size, hkv * (d + kRowExtra<T>), item.first_key,
+                   item.num_keys, 4, offsets);
+      const float* qs = queries.data() + tile.first_row * h * d;
+      float *m = maxes.data() + item.result * h, *l = sums.data() + item.result * h, *acc = accs.data() + item.result * h * d;
+#define DECODESERVICE_ATTEND(K) \
+  attend_tile<K>(qs, k_pool, v_pool, offsets, item.num_keys, tile.rows, row_keys.data(), hkv, groups, m, l, acc, scores)
       switch (chunks) {
-        case 2: attend_chunk<2>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
-        case 4: attend_chunk<4>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
-        case 8: attend_chunk<8>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
-        default: attend_chunk<16>(queries.data(), k_pool, v_pool, offsets, item, hkv, groups, m, l, acc, scores); break;
+        case 2: DECODESERVICE_ATTEND(2); break;
+        case 4: DECODESERVICE_ATTEND(4); break;
+        case 8: DECODESERVICE_ATTEND(8); break;
+        default: DECODESERVICE_ATTEND(16); break;
       }
+#undef DECODESERVICE_ATTEND
     }
   });
   TQ* out_data = out.data_ptr<TQ>();
   at::parallel_for(0, b, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(static_cast<size_t>(d));
     for (int64_t s = begin; s < end; ++s) {
-      const int64_t lo = first_item[static_cast<size_t>(s)], hi = first_item[static_cast<size_t>(s + 1)];
+      const int64_t t = row_tile[static_cast<size_t>(s)], r = s - tiles[static_cast<size_t>(t)].first_row;
+      const int64_t lo = first_item[static_cast<size_t>(t)];
+      const int64_t hi = lo + (lens[s] + chunk - 1) / chunk;  // the pieces that hold this row's keys
       for (int64_t head = 0; head < h; ++head) {
         float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t i = lo; i < hi; ++i) peak = std::max(peak, maxes[static_cast<size_t>(i * h + head)]);
+        for (int64_t i = lo; i < hi; ++i)
+          peak = std::max(peak, maxes[static_cast<size_t>((items[static_cast<size_t>(i)].result + r) * h + head)]);
         std::fill(merged.begin(), merged.end(), 0.0f);
         float total = 0.0f;
         for (int64_t i = lo; i < hi; ++i) {
-          const float weight = std::exp(maxes[static_cast<size_t>(i * h + head)] - peak);
-          total += weight * sums[static_cast<size_t>(i * h + head)];
-          const float* acc = accs.data() + (i * h + head) * d;
+          const int64_t at = (items[static_cast<size_t>(i)].result + r) * h + head;
+          const float weight = std::exp(maxes[static_cast<size_t>(at)] - peak);
+          total += weight * sums[static_cast<size_t>(at)];
+          const float* acc = accs.data() + at * d;
           for (int64_t e = 0; e < d; ++e) merged[static_cast<size_t>(e)] += weight * acc[e];
         }
         TQ* dst = out_data + (s * h + head) * d;
@@ -263,7 +341,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 // The checks both entries share: shapes, contiguity, the tables' types and the head size.
 void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                     const at::Tensor& context_lens, int64_t chunk, const at::Tensor& out, int64_t row_extra) {
+                     const at::Tensor& context_lens, int64_t chunk, int64_t tile_rows, const at::Tensor& out,
+                     int64_t row_extra) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shapes: q (B, H, D), caches (NB, BS, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -272,7 +351,7 @@ void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "heads: H a multiple of Hkv, one D (an int8 pool's rows: D + 4)");
   TORCH_CHECK(tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt && tables.is_contiguous() &&
               tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "int32 tables (B, M) and lengths (B,)");
-  TORCH_CHECK(chunk > 0 && out.sizes() == q.sizes(), "chunk > 0 and out shaped as q");
+  TORCH_CHECK(chunk > 0 && tile_rows > 0 && out.sizes() == q.sizes(), "chunk > 0, tile_rows > 0 and out shaped as q");
   const int64_t chunks = q.size(2) / kLanes;
   TORCH_CHECK(q.size(2) % kLanes == 0 && (chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16),
               "head_dim must be 2, 4, 8 or 16 vectors of ", kLanes, " floats");
@@ -282,13 +361,13 @@ void check_arguments(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // tables (B, M) int32 block ids; context_lens (B,) int32, each >= 1 and covered by its table row.
 // Writes out (B, H, D) in q's dtype.
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                  const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
-  check_arguments(q, k_cache, v_cache, tables, context_lens, chunk, out, 0);
+                  const at::Tensor& context_lens, double scale, int64_t chunk, int64_t tile_rows, at::Tensor& out) {
+  check_arguments(q, k_cache, v_cache, tables, context_lens, chunk, tile_rows, out, 0);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches share one dtype");
   if (q.scalar_type() == at::kFloat) {
-    decode<float>(q, k_cache, v_cache, tables, context_lens, scale, chunk, out);
+    decode<float>(q, k_cache, v_cache, tables, context_lens, scale, chunk, tile_rows, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<c10::BFloat16>(q, k_cache, v_cache, tables, context_lens, scale, chunk, out);
+    decode<c10::BFloat16>(q, k_cache, v_cache, tables, context_lens, scale, chunk, tile_rows, out);
   } else {
     TORCH_CHECK(false, "fp32 or bf16 caches only");
   }
@@ -298,13 +377,13 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // its last 4 bytes. q and out fp32 or bf16. Half the bytes of a bf16 pool: at 2.6k keys a decode step's K/V
 // read also evicts the rest of the step's data from cache (benchmarks/kv_traffic.py).
 void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
-                       const at::Tensor& context_lens, double scale, int64_t chunk, at::Tensor& out) {
-  check_arguments(q, k_pool, v_pool, tables, context_lens, chunk, out, kRowExtra<int8_t>);
+                       const at::Tensor& context_lens, double scale, int64_t chunk, int64_t tile_rows, at::Tensor& out) {
+  check_arguments(q, k_pool, v_pool, tables, context_lens, chunk, tile_rows, out, kRowExtra<int8_t>);
   TORCH_CHECK(k_pool.scalar_type() == at::kChar, "int8 pools");
   if (q.scalar_type() == at::kFloat) {
-    decode<int8_t, float>(q, k_pool, v_pool, tables, context_lens, scale, chunk, out);
+    decode<int8_t, float>(q, k_pool, v_pool, tables, context_lens, scale, chunk, tile_rows, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<int8_t, c10::BFloat16>(q, k_pool, v_pool, tables, context_lens, scale, chunk, out);
+    decode<int8_t, c10::BFloat16>(q, k_pool, v_pool, tables, context_lens, scale, chunk, tile_rows, out);
   } else {
     TORCH_CHECK(false, "fp32 or bf16 queries only");
   }
