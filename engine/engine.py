@@ -95,9 +95,9 @@ class Engine:
         if self.spec is not None and speculation is not None and speculation.curve is not None:
             self.spec.use_measured(speculation.curve, row_cost=speculation.row_cost)
             log.info("speculation: one more draft row costs %.3f of a decode step here (%d drafts; step "
-                     "times by batch size and draft rows, measured at start-up in %.1f s: %s)", speculation.row_cost,
+                     "times by batch size and draft rows, measured in %.1f s [%s]: %s)", speculation.row_cost,
                      config.speculative.num_tokens if config.speculative else 0, speculation.seconds,
-                     speculation.curve.describe())
+                     speculation.source, speculation.curve.describe())
         # Every machine-dependent choice, made above and handed to each component as it was built.
         self.plan: ExecutionPlan = execution_plan(
             config, activations=self.dtype, activations_reason=_activations_reason(model, config), kv=kv,

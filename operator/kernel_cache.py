@@ -1,11 +1,12 @@
 """Where the engine keeps what it measures and builds per machine type: the kernel cache.
 
-The engine's kernel choices and native kernels (engine/quant/kernel_plan.py, engine/attention/context_plan.py,
-engine/cpp_extensions.py) are keyed by the CPU's identity (model, ISA flags, threads, torch), so pods on
-the same machine type can share them and pods on another never load the wrong ones. By default they go to
-the cache emptyDir, which outlives a container restart; where the model cache is a PVC the pods share
-(spec.model.cache.claimName), to a folder of their own on it, mounted writable (the model files beside it
-are read-only), so a second replica on the same machine type starts without measuring again.
+The engine's kernel choices, speculation cost curve and native kernels (engine/quant/kernel_plan.py,
+engine/spec_decode/cost.py, engine/cpp_extensions.py) are keyed by the CPU's identity (model, ISA flags,
+threads, torch), so pods on the same machine type can share them and pods on another never load the wrong
+ones. By default they go to the cache emptyDir, which outlives a container restart; where the model cache
+is a PVC the pods share (spec.model.cache.claimName), to a folder of their own on it, mounted writable
+(the model files beside it are read-only), so a second replica on the same machine type starts without
+measuring again.
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ class SpeculationPlan:
     method: str
     row_cost: float  # one more draft row, as a fraction of a one-row step
     curve: StepCostCurve | None  # step times by batch and draft rows (None: the configured line)
-    source: str  # CONFIGURED or MEASURED_NOW
-    seconds: float  # what measuring took (0 where configured)
+    source: str  # CONFIGURED, MEASURED_NOW or the cache file it was read from (spec_decode/cost.py)
+    seconds: float  # what measuring took, at this start or when the cached curve was measured (0 where configured)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +147,7 @@ class ExecutionPlan:
             lines.append("projections: dense weights (no kernel plan)")
         if (spec := self.speculation) is not None:
             lines.append(f"speculation: {spec.method}, each draft row adds {spec.row_cost:.3f} of a one-row step "
-                         f"[{spec.source}{f', {spec.seconds:.1f} s' if spec.seconds else ''}]")
+                         f"[{spec.source}{f', measured in {spec.seconds:.1f} s' if spec.seconds else ''}]")
             if spec.curve is not None:
                 lines.append(f"  step ms by batch and draft rows: {spec.curve.describe()}")
         return lines

@@ -6,6 +6,7 @@ CPU and CUDA are planned apart (`_cpu_attention`, `_cuda_attention`): each reads
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,6 @@ from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.plan.execution import (
     CONFIGURED,
-    MEASURED_NOW,
     AttentionPlan,
     CpuAttentionPlan,
     CudaAttentionPlan,
@@ -136,12 +136,23 @@ def plan_speculation(config: EngineConfig, runner: ModelRunner, *, num_blocks: i
     if spec.draft_row_cost is not None:
         return SpeculationPlan(method=spec.method, row_cost=spec.draft_row_cost, curve=None, source=CONFIGURED,
                                seconds=0.0)
-    from decodeservice.engine.spec_decode.cost import measure_step_costs
+    from decodeservice.engine.spec_decode.cost import cached_step_costs
 
-    cost = measure_step_costs(runner, num_tokens=spec.num_tokens, num_blocks=num_blocks,
-                              max_batch=min(spec.disable_batch_size - 1, config.max_num_seqs))
-    return SpeculationPlan(method=spec.method, row_cost=cost.row_cost, curve=cost.curve, source=MEASURED_NOW,
+    cost = cached_step_costs(runner, num_tokens=spec.num_tokens, num_blocks=num_blocks,
+                             max_batch=min(spec.disable_batch_size - 1, config.max_num_seqs),
+                             identity=_step_identity(config, runner))
+    return SpeculationPlan(method=spec.method, row_cost=cost.row_cost, curve=cost.curve, source=cost.source,
                            seconds=cost.seconds)
+
+
+def _step_identity(config: EngineConfig, runner: ModelRunner) -> list[str]:
+    """What a step's cost depends on beyond the machine and torch: the speculation curve's cache key."""
+    backend = runner.attention_backend
+    kernels = runner.model.kernel_plan
+    return [f"model {runner.model.config}", f"weights {runner.model.weight_format}", f"kv {runner.kv_dtype}",
+            f"attention {backend.name} native {getattr(backend, 'kernel', None) is not None}",
+            f"step {plan_step(config).executor} deterministic {config.deterministic}",
+            f"kernels {json.dumps(kernels.describe().get('rows'), sort_keys=True) if kernels is not None else None}"]
 
 
 def execution_plan(config: EngineConfig, *, activations: torch.dtype, activations_reason: str, kv: KvPlan,

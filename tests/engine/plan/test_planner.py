@@ -11,6 +11,7 @@ import torch
 
 from decodeservice.cli.main import main
 from decodeservice.engine import SpeculativeConfig
+from decodeservice.engine.attention import native_decode
 from decodeservice.engine.attention.gather import GatherBackend
 from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from decodeservice.engine.plan import CpuAttentionPlan, ExecutionPlan
@@ -53,11 +54,25 @@ def test_int8_pools_take_only_a_backend_planned_for_them(tiny: ModelBundle) -> N
     assert isinstance(build_backend(planned, num_blocks=8, block_size=4, device=CPU), PagedViewsBackend)
 
 
-def test_a_measured_speculation_cost_is_in_the_plan(tiny: ModelBundle) -> None:
+def test_a_measured_speculation_cost_is_in_the_plan(tiny: ModelBundle, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    native_decode.decode_extension()  # built (or loaded) where it is kept, before the cache moves for this test
+    monkeypatch.setenv("DECODESERVICE_KERNEL_CACHE", str(tmp_path))
     engine = tiny.engine(num_gpu_blocks_override=96, speculative=SpeculativeConfig(method="ngram", num_tokens=2))
     spec = engine.plan.speculation
     assert spec is not None and spec.source == "measured now" and spec.curve is not None and spec.seconds > 0
     assert engine.spec is not None and engine.spec.row_cost == spec.row_cost
+    # Kept beside the kernel plans: the next start reads it, names the file, and hands the decoder the same curve.
+    [kept] = tmp_path.glob("spec-cost-*.json")
+    again = tiny.engine(num_gpu_blocks_override=96, speculative=SpeculativeConfig(method="ngram", num_tokens=2))
+    cached = again.plan.speculation
+    assert cached is not None and cached.source == str(kept)
+    assert cached.curve == spec.curve and cached.row_cost == spec.row_cost
+    assert any(str(kept) in line for line in again.plan.explain())
+    # Another measurement setting is another key, measured for itself.
+    other = tiny.engine(num_gpu_blocks_override=96, speculative=SpeculativeConfig(method="ngram", num_tokens=3))
+    assert other.plan.speculation is not None and other.plan.speculation.source == "measured now"
+    assert len(list(tmp_path.glob("spec-cost-*.json"))) == 2
     configured = tiny.engine(num_gpu_blocks_override=96,
                              speculative=SpeculativeConfig(method="ngram", num_tokens=2, draft_row_cost=0.25))
     assert configured.plan.speculation is not None and configured.plan.speculation.source == "configured"
