@@ -13,11 +13,12 @@ endpoint holds. Then:
 1. one ready endpoint: it (`only_endpoint`);
 2. among endpoints predicted within the class's TTFT objective, the largest prefix hit
    (`prefix_hit_within_slo`): a hit is prefill the fleet does not redo. Hits within `HIT_TIE_SHARE`
-   of the prompt of the largest count as a tie: a shared system prompt cached on one endpoint only
+   of the prompt of the largest count as a tie: a shared system prompt cached on some endpoints only
    must not pull every new conversation there;
 3. a tie (a cold prefix, or one only a shared system prompt long): of the tied endpoints predicted
    within `COLD_SLACK` of the objective of the fastest of them, the conversation's first `CHOICES` by
-   rendezvous weight, and of those the one with fewer of the router's streams (`rendezvous`). Two
+   rendezvous weight, and of those the one with less prefill work ahead, then fewer of the router's
+   streams (`rendezvous`). Two
    routers that see the same endpoints choose within the same two without sharing state, so running
    two does not scatter a conversation's turns over every cache, and the streams spread as evenly as
    round-robin's;
@@ -47,8 +48,11 @@ COLD_SLACK = 0.25
 # agree), so a conversation's later turn that reaches the other replica is not scattered over all N.
 CHOICES = 2
 # Hits that differ by less than this share of the prompt are a tie: what the smaller one costs in extra
-# prefill is small beside what piling new conversations onto one endpoint costs in queueing.
-HIT_TIE_SHARE = 0.25
+# prefill is small beside what piling new conversations onto one endpoint costs in queueing. A
+# conversation's own history is most of its later turns' prompts, so those still go to their cache; a
+# quarter let a shared system prompt (a third to four fifths of a single request's prompt in
+# benchmarks/routing_sim.py) pull requests onto the endpoints that held it, and they queued there.
+HIT_TIE_SHARE = 0.5
 # Above this KV-cache usage an engine evicts cached prefixes to make room, so a hit the index predicts
 # is discounted linearly to nothing at a full cache.
 KV_PRESSURE = 0.9
@@ -127,7 +131,8 @@ def decide(views: Sequence[EndpointView], *, prompt_tokens: int, conversation: b
     fastest = min(predicted[v.url] for v in top)
     near = [v for v in top if predicted[v.url] <= fastest + COLD_SLACK * objective_s]
     ranked = sorted(near, key=lambda v: rendezvous_weight(v.url, conversation), reverse=True)[:CHOICES]
-    return made(min(ranked, key=lambda v: v.streams), Reason.RENDEZVOUS)
+    # Prefill ahead delays this request's first token; decoding streams only slow its steps.
+    return made(min(ranked, key=lambda v: (v.tokens_ahead, v.streams)), Reason.RENDEZVOUS)
 
 
 def least_work(views: Sequence[EndpointView], prompt_tokens: int, conversation: bytes) -> EndpointView:

@@ -79,7 +79,7 @@ def test_over_the_objective_a_low_learned_base_does_not_draw_requests() -> None:
 
 
 def test_a_cold_prefix_goes_by_rendezvous_among_the_near_least_loaded() -> None:
-    views = [view("a"), view("b", ahead=100), view("c", ahead=900)]  # c is 0.9 s behind: not near
+    views = [view("a", ahead=100), view("b", ahead=100), view("c", ahead=900)]  # c is 0.8 s behind: not near
     chosen = {decide(views, prompt_tokens=600, conversation=bytes([k]), objective_s=2.0).endpoint
               for k in range(64)}
     assert chosen == {"a", "b"}  # both near ones get conversations, the far one none
@@ -116,6 +116,24 @@ def test_a_small_hit_such_as_a_shared_system_prompt_is_a_tie() -> None:
     assert chosen == {"a", "b"}
     d = decide([view("a", hit=640), view("b")], prompt_tokens=700, conversation=b"c", objective_s=1.0)
     assert (d.endpoint, d.reason) == ("a", Reason.PREFIX_HIT_WITHIN_SLO)
+
+
+def test_a_system_prompt_under_half_the_prompt_does_not_pull_requests_to_where_it_is_cached() -> None:
+    # 256 of 600 tokens: a quarter of the prompt counted as a hit worth piling onto one endpoint for.
+    views = [view("a", hit=256), view("b"), view("c")]
+    chosen = {decide(views, prompt_tokens=600, conversation=bytes([k]), objective_s=2.0).endpoint
+              for k in range(48)}
+    assert chosen == {"a", "b", "c"}
+
+
+def test_a_cold_tie_prefers_the_choice_with_less_prefill_ahead_over_fewer_streams() -> None:
+    key = b"conv-9"
+    first, second = sorted("ab", key=lambda url: rendezvous_weight(url, key), reverse=True)
+    # The first choice decodes fewer streams but has a prompt in prefill, which delays a newcomer's first
+    # token; the second's streams only slow its steps.
+    views = [view(first, ahead=100, streams=1), view(second, streams=4)]
+    d = decide(views, prompt_tokens=600, conversation=key, objective_s=2.0)
+    assert (d.endpoint, d.reason) == (second, Reason.RENDEZVOUS)
 
 
 def test_rendezvous_moves_only_the_keys_of_a_removed_endpoint() -> None:
