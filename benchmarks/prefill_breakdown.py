@@ -27,6 +27,7 @@ ratio of each route's step to the first route's is given as median and range.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -64,10 +65,11 @@ def set_prompt_route(engine: Engine, route: str) -> None:
     """Every projection's prompt rows on `route`'s copy (an A/B harness: the engine's plan chooses one)."""
     if route == "plan":
         return
-    for module in engine.model.modules():
+    copy = {"int8": "int8", "packed": "packed"}.get(route, "none")
+    for name, module in list(engine.model.named_modules()):
         if isinstance(module, RowPlanned) and module is not engine.model.lm_head:
-            module.pack_prompt_int8(route == "int8")
-            module.pack_prompt_weight(engine.dtype if route == "packed" else None)
+            # another plan is another module, on the same weights (linear.RowPlanned.with_plan)
+            engine.model.set_submodule(name, module.with_plan(dataclasses.replace(module.plan, prompt_copy=copy)))
 
 
 def prefill_parts(engine: Engine, tokens: list[int]) -> dict[str, float]:

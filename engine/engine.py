@@ -17,6 +17,7 @@ from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelCon
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from decodeservice.engine.kv_cache import KVCacheManager
+from decodeservice.engine.loader.fused import fuse_hf_weights
 from decodeservice.engine.model import LlamaModel
 from decodeservice.engine.outputs import (
     EngineStats,
@@ -80,7 +81,7 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, dtype=self.dtype, attention=attention,
                                   compile_step=config.compile, cuda_graphs=config.cuda_graphs, kv_dtype=self.kv_dtype,
-                                  deterministic=config.deterministic)
+                                  deterministic=config.deterministic, kernels=model.kernel_plan)
         self.scheduler = Scheduler(kv=self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.spec: SpeculativeDecoder | None = None
@@ -373,12 +374,15 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     # of projections about to be replaced by quantized modules is never touched, so never resident.
     model = model.to_empty(device=config.device)
     model.tie_weights()
-    model.load_hf_weights(weights, int4=int4, weight_format=precision.weights, w8a8=config.w8a8)
-    model.rotary.reset_tables(config.device)
+    fused = fuse_hf_weights(cfg, weights, int4=int4)
+    kernels = None
     if precision.weights != "none":  # quantized weights run on CPU only (EngineConfig refuses the rest)
-        model.kernel_plan = plan_kernels(model, activations=ActivationChoice(dtype=precision.activations,
-                                                                             reason=precision.reason),
-                                         deterministic=config.deterministic, compiled=config.compile)
+        # Planned from the projections' shapes before any is built: each is built with its part.
+        kernels = plan_kernels(fused.projection_shapes(weight_format=precision.weights, w8a8=config.w8a8),
+                               activations=ActivationChoice(dtype=precision.activations, reason=precision.reason),
+                               deterministic=config.deterministic, compiled=config.compile)
+    model.load_fused(fused, weight_format=precision.weights, w8a8=config.w8a8, kernels=kernels)
+    model.rotary.reset_tables(config.device)
     return model.eval()
 
 

@@ -23,12 +23,12 @@ from torch import nn
 
 from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.config import ModelConfig
-from decodeservice.engine.quant.int4 import Int4Weight, quantize_int4
+from decodeservice.engine.loader.fused import FusedWeights, as_int4, dense, fuse_hf_weights
+from decodeservice.engine.quant.embedding import Int4Embedding, Int8Embedding
+from decodeservice.engine.quant.int4 import Int4Weight
 from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.quant.linear import (
-    Int4Embedding,
     Int4Linear,
-    Int8Embedding,
     Int8Linear,
 )
 from decodeservice.engine.quant.step_rows import PLAIN_ROWS, StepRows, tiled_linear
@@ -238,7 +238,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    # Quantized on CPU: which kernels this machine runs and why (engine/quant/kernel_plan.py), set at build.
+    # Quantized on CPU: the kernel plan its projections were built with (engine/quant/kernel_plan.py), as
+    # load_fused received it; None for dense weights or modules on their defaults.
     kernel_plan: KernelPlan | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -330,77 +331,49 @@ class LlamaModel(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------------
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor], *, int4: Mapping[str, Int4Weight] | None = None,
-                        weight_format: str = "none", w8a8: bool = False) -> None:
-        """Load HF Llama-named tensors (plus Qwen2's `q_proj.bias` etc. and Qwen3's `q_norm.weight` and
-        `k_norm.weight`), fusing q/k/v and gate/up as this module lays them out.
+                        weight_format: str = "none", w8a8: bool = False, kernels: KernelPlan | None = None) -> None:
+        """Load HF Llama-named tensors (fuse_hf_weights), see load_fused."""
+        self.load_fused(fuse_hf_weights(self.config, weights, int4=int4), weight_format=weight_format, w8a8=w8a8,
+                        kernels=kernels)
 
-        `int4` holds weights that arrive as 4-bit (GGUF Q4_0/Q4_1), by the same names. With
-        `weight_format` int8 or int4 the projections, the head and the embedding become quantized
-        modules (from the 4-bit codes directly where the format is int4); norms stay dense. `w8a8`: those
-        modules run batches of W8A8_ROWS rows or more as int8 x int8 (see engine/quant/w8a8.py)."""
-        cfg = self.config
-        source: dict[str, torch.Tensor | Int4Weight] = {**weights, **(int4 or {})}
-        fused: dict[str, torch.Tensor | Int4Weight] = {}
-        # Norms (and Qwen's biases) stay dense whatever the weight format.
-        state = {name.removeprefix("model."): _dense(w) for name, w in source.items()
-                 if name.endswith("layernorm.weight") or name == "model.norm.weight"}
-        for i in range(cfg.num_layers):
-            p, q = f"model.layers.{i}.", f"layers.{i}."
-            fused[q + "self_attn.qkv_proj"] = _cat([source[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-            fused[q + "self_attn.o_proj"] = source[p + "self_attn.o_proj.weight"]
-            fused[q + "mlp.gate_up_proj"] = _cat([source[p + "mlp.gate_proj.weight"], source[p + "mlp.up_proj.weight"]])
-            fused[q + "mlp.down_proj"] = source[p + "mlp.down_proj.weight"]
-            if cfg.qkv_bias:  # (H D + 2 Hkv D,), laid out as the fused projection's rows
-                state[q + "self_attn.qkv_bias"] = torch.cat([_dense(source[p + f"self_attn.{n}_proj.bias"])
-                                                             for n in "qkv"])
-            if cfg.qk_norm:  # (H + Hkv, D): q_norm's (D,) weight for every q head, then k_norm's for every k head
-                q_norm, k_norm = (_dense(source[p + f"self_attn.{n}_norm.weight"]) for n in "qk")
-                state[q + "self_attn.qk_norm.weight"] = torch.cat(
-                    [q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
-        tied = cfg.tie_word_embeddings
-        embedding = source["model.embed_tokens.weight"]
-        fused["lm_head"] = embedding if tied else source["lm_head.weight"]
+    def load_fused(self, fused: FusedWeights, *, weight_format: str = "none", w8a8: bool = False,
+                   kernels: KernelPlan | None = None) -> None:
+        """With `weight_format` int8 or int4 the projections, the head and the embedding become quantized
+        modules (from the 4-bit codes directly where the format is int4), each built with its LinearPlan
+        from `kernels` (planned from `fused.projection_shapes`; None: the modules' defaults, outside an
+        engine); norms stay dense. `w8a8`: those modules may run many rows as int8 x int8
+        (engine/quant/w8a8.py). The model keeps `kernels` as the record of what it was built with."""
+        state = dict(fused.state)
+        tied = self.config.tie_word_embeddings
         if weight_format == "none":
-            state.update({f"{name}.weight": _dense(w) for name, w in fused.items() if not (tied and name == "lm_head")})
-            state["embed_tokens.weight"] = _dense(embedding)
+            state.update({f"{name}.weight": dense(w) for name, w in fused.projections.items()
+                          if not (tied and name == "lm_head")})
+            state["embed_tokens.weight"] = dense(fused.embedding)
         else:
-            self._quantize(fused, embedding, weight_format, w8a8=w8a8)
+            self._quantize(fused, weight_format, w8a8=w8a8, kernels=kernels)
+            self.kernel_plan = kernels
         missing, unexpected = self.load_state_dict(state, strict=False)
         if set(missing) - {"lm_head.weight"} or unexpected:  # a tied head has no weight of its own
             raise ValueError(f"weight mismatch: missing={missing} unexpected={unexpected}")
 
-    def _quantize(self, fused: Mapping[str, torch.Tensor | Int4Weight], embedding: torch.Tensor | Int4Weight,
-                  weight_format: str, *, w8a8: bool) -> None:
+    def _quantize(self, fused: FusedWeights, weight_format: str, *, w8a8: bool, kernels: KernelPlan | None) -> None:
         dtype, tied = self.activation_dtype, self.config.tie_word_embeddings
+        shapes = dict(zip(fused.projections, fused.projection_shapes(weight_format=weight_format, w8a8=w8a8),
+                          strict=True))
+        plans = {name: kernels.linear(shape) if kernels is not None else None for name, shape in shapes.items()}
         if weight_format == "int4":
-            as_int4 = {name: _int4(weight) for name, weight in fused.items()}
-            for name, int4 in as_int4.items():
-                self.set_submodule(name, Int4Linear(int4, dtype=dtype, w8a8=w8a8))
+            int4s = {name: as_int4(weight) for name, weight in fused.projections.items()}
+            for name, int4 in int4s.items():
+                self.set_submodule(name, Int4Linear(int4, dtype=dtype, w8a8=w8a8, plan=plans[name]))
             # The embedding dequantizes looked-up rows from nibble codes (the kernel's layout is opaque);
             # tied, they are the head's own codes.
-            self.embed_tokens = Int4Embedding(as_int4["lm_head"] if tied else _int4(embedding), dtype=dtype)
+            self.embed_tokens = Int4Embedding(int4s["lm_head"] if tied else as_int4(fused.embedding), dtype=dtype)
             return
-        for name, weight in fused.items():
-            self.set_submodule(name, Int8Linear(_dense(weight), dtype=dtype, w8a8=w8a8))
+        for name, weight in fused.projections.items():
+            self.set_submodule(name, Int8Linear(dense(weight), dtype=dtype, w8a8=w8a8, plan=plans[name]))
         head = self.lm_head
         if tied and isinstance(head, Int8Linear):
             self.embed_tokens = Int8Embedding(head.weight_int8, head.scales, dtype=dtype)
         else:
-            codes, scales = quantize_int8(_dense(embedding))
+            codes, scales = quantize_int8(dense(fused.embedding))
             self.embed_tokens = Int8Embedding(codes, scales.to(dtype), dtype=dtype)
-
-
-def _dense(weight: torch.Tensor | Int4Weight) -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, Int4Weight) else weight
-
-
-def _int4(weight: torch.Tensor | Int4Weight) -> Int4Weight:
-    """4-bit as it came, or quantized now in groups of 32 (the GGUF block size; the kernel is as fast
-    at 32 as at 64 here)."""
-    return weight if isinstance(weight, Int4Weight) else quantize_int4(weight, group_size=32)
-
-
-def _cat(parts: list[torch.Tensor | Int4Weight]) -> torch.Tensor | Int4Weight:
-    if all(isinstance(p, Int4Weight) for p in parts):
-        return Int4Weight.cat([p for p in parts if isinstance(p, Int4Weight)])
-    return torch.cat([_dense(p) for p in parts], dim=0)

@@ -30,6 +30,7 @@ from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.model import ForwardBatch, LlamaModel
 from decodeservice.engine.plan.execution import AttentionPlan
+from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.quant.step_rows import StepRows
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan
@@ -69,18 +70,21 @@ class ModelRunner:
                  dtype: torch.dtype, num_layers: int | None = None,
                  attention: AttentionPlan | None = None, attention_backend: AttentionBackend | None = None,
                  compile_step: bool = False, cuda_graphs: bool = False, kv_dtype: torch.dtype | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, kernels: KernelPlan | None = None) -> None:
         """`dtype`: the activations'; `kv_dtype`: the pool's, `dtype` when None, or int8 (kv_int8.py).
         `attention`: the engine's plan for it (engine/plan), from which the backend is built; else
         `attention_backend` as given, else the device's default backend (backend_for).
         `deterministic` (EngineConfig.deterministic): every row of every step takes its row-invariant path,
-        in the projections (step_rows.StepRows) and in attention (the CPU backend's kernel row per token)."""
+        in the projections (step_rows.StepRows) and in attention (the CPU backend's kernel row per token).
+        `kernels`: the plan the model's projections were built with (the execution plan's), whose row
+        thresholds the compiled step is warmed up at."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.deterministic = deterministic
+        self.kernels = kernels
         self.num_layers = num_layers or cfg.num_layers
         if attention is not None:
             from decodeservice.engine.plan.planner import build_backend
@@ -137,8 +141,8 @@ class ModelRunner:
         every graph the compiled step has (compiled_step.py) is compiled at start-up, not on a request.
         Each row writes its K/V into block 0, which is free: whoever gets it writes its own K/V before
         attention reads any."""
-        plan = self.model.kernel_plan
-        thresholds = {t for shape in (plan.shapes.values() if plan else ()) for t in (shape.w8a8_from, shape.mixed_dense_from)
+        linears = self.kernels.linears.values() if self.kernels is not None else ()
+        thresholds = {t for plan in linears for t in (plan.w8a8_from, plan.mixed_dense_from)
                       if t is not None and 2 < t <= MAX_ROWS}
         for rows in (1, 2, *sorted(thresholds)):
             scheduled = [

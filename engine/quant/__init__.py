@@ -20,6 +20,7 @@ import torch
 from decodeservice.engine.config import EngineConfig
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu
+from decodeservice.engine.quant.embedding import Int4Embedding, Int8Embedding
 from decodeservice.engine.quant.int4 import Int4Weight, int4_from_gguf, quantize_int4
 from decodeservice.engine.quant.kernel_plan import (
     ActivationChoice,
@@ -28,9 +29,7 @@ from decodeservice.engine.quant.kernel_plan import (
     plan_kernels,
 )
 from decodeservice.engine.quant.linear import (
-    Int4Embedding,
     Int4Linear,
-    Int8Embedding,
     Int8Linear,
     int4_kernels_available,
     int8_kernels_available,

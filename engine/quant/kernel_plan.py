@@ -1,7 +1,8 @@
 """This machine's kernels for a quantized model, chosen at load by capability and measurement.
 
     activations = choose_activations(detect_cpu(), hidden=576, intermediate=1536)   # bf16 or fp32
-    plan = plan_kernels(model, activations=activations)   # thresholds set on every module, checked
+    plan = plan_kernels(shapes, activations=activations)  # shapes: the ProjectionShape of each module to build
+    Int4Linear(weight, dtype=activations.dtype, plan=plan.linear(shape))   # the loader builds each so
 
 Two choices, each made here for the CPU this runs on, never from constants measured on another box:
 1. Activation (and KV cache) dtype: bf16 only where the CPU has native bf16 (cpu.py) AND a bf16 GEMM
@@ -14,9 +15,12 @@ Two choices, each made here for the CPU this runs on, never from constants measu
 
 Measurements are cached per CPU model, ISA caps, thread count, torch version and model shapes
 (`$DECODESERVICE_KERNEL_CACHE`, else ~/.cache/decodeservice/kernels), so a restart does not pay again.
-Every load, whatever the cache says, each module's fast paths are compared with the dense reference
-(from the project's own codes) on a spread of its real output rows; a path that disagrees is turned off
-for that module and logged, and the module falls back to the next path.
+Every load, whatever the cache says, each shape's fast paths are compared with the dense reference (from
+the project's own codes) on a spread of its output rows; a path that disagrees is turned off for that
+shape and logged, and its modules are built on the next path. Timings and checks run on synthetic weights
+of each shape (ProjectionShape.synthetic), before the model's quantized modules exist: a kernel's time
+depends on the shape, not the values, and a misread layout or a wrong kernel shows on any weights. So
+each module receives its finished plan at construction and nothing is set on it afterwards.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -34,12 +38,21 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from decodeservice.engine.quant import prompt_weights
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
-from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, KERNEL_DTYPE, Int4Linear, RowPlanned
+from decodeservice.engine.quant.int4 import Int4Weight
+from decodeservice.engine.quant.linear import (
+    DENSE_MIN_ROWS,
+    KERNEL_DTYPE,
+    Int4Linear,
+    Int8Linear,
+    LinearPlan,
+    RowPlanned,
+    int8_dot_fits,
+)
 from decodeservice.engine.quant.native import dequant_extension, int4_dot_extension
+from decodeservice.engine.quant.self_check import self_check
 
 log = logging.getLogger("decodeservice.engine.kernels")
 T = TypeVar("T")
@@ -53,13 +66,6 @@ HEAD_MAX_ROWS = 64  # the head only sees sampled rows: a decode batch and its dr
 # decode, memory-bound for both (the same bytes): there it must only not lose. Both bars are met with
 # room on either dispatch (benchmarks/int4_kernels.py: benchmarks/results/int4_kernels_*.json).
 DOT_WINS = {1: 1.0, 8: 0.8}
-# Relative L2 error a fast path may have against the fp32 reference on the same codes: bf16 rows and
-# outputs are ~0.4% each; int8 activations add ~1% (W8A8). A misread layout is ~100%.
-WEIGHT_ONLY_TOLERANCE, W8A8_TOLERANCE = 0.03, 0.08
-CHECK_ROWS = 64  # output rows compared per module, spread over the matrix
-# The native dequantization rounds once where torch's bf16 ops round after each of three: a bf16 ulp
-# apart at most; in fp32 only a fused multiply-add's last bit.
-NATIVE_TOLERANCE, NATIVE_TOLERANCE_FP32 = 1e-2, 1e-5
 # A CPU that reports native bf16 runs fp32 only if its bf16 GEMM is this much slower than fp32: hardware
 # bf16 measures ~0.2x fp32 here (AMX), emulated ~10x (oneDNN capped at AVX2), and a loaded 2-core machine
 # moved single timings by up to 2x, which must not flip the dtype between restarts.
@@ -106,7 +112,8 @@ class ShapePlan:
 class KernelPlan:
     cpu: CpuCapability
     activations: ActivationChoice
-    shapes: dict[str, ShapePlan]  # by shape key (see _shape_key)
+    shapes: dict[str, ShapePlan]  # as measured (or cached), by ProjectionShape.key
+    linears: dict[str, LinearPlan]  # what each module of that shape is built with, self-checked
     source: str  # "measured" or the cache file it came from
     fallbacks: tuple[str, ...]  # "module: path turned off (error)" for each failed self-check
     native_dequant: bool  # the dense path dequantizes with native.py's C++ kernel (where it checked out)
@@ -115,6 +122,10 @@ class KernelPlan:
     # Planned for deterministic mode: the int8-dot kernel (rows computed alone) on every module it fits,
     # whatever the race said, since every row of that mode takes it (linear.RowPlanned.invariant_rows).
     deterministic: bool = False
+
+    def linear(self, shape: ProjectionShape) -> LinearPlan:
+        """The plan a module of `shape` is built with (the loader's; one of the shapes planned)."""
+        return self.linears[shape.key]
 
     def describe(self) -> dict[str, Any]:
         """What the engine logs at start-up and serves in /v1/models."""
@@ -126,11 +137,12 @@ class KernelPlan:
             "weight_only_kernel_rows": {"torch int4": str(KERNEL_DTYPE).removeprefix("torch."),
                                         "int8 dot (native)": str(self.activations.dtype).removeprefix("torch.")},
             "native_dequant": self.native_dequant,
-            "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot else "torch int4",
+            # the routes each shape's modules were built with: measured, then self-checked
+            "rows": {key: {"weight_only": "int8 dot (native)" if p.int8_dot is not None else "torch int4",
                            "dense_from_prompt_only": p.dense_from, "dense_from": p.mixed_dense_from,
-                           "w8a8_from": p.w8a8_from, "prompt_packed": p.prompt_packed,
-                           "prompt_route": p.prompt_route}
-                     for key, p in self.shapes.items()},
+                           "w8a8_from": p.w8a8_from, "prompt_packed": p.prompt_copy == "packed",
+                           "prompt_route": {"none": "as_planned"}.get(p.prompt_copy, p.prompt_copy)}
+                     for key, p in self.linears.items()},
             "prompt_copy_bytes": self.prompt_copy_bytes,
             "deterministic": self.deterministic,
             "source": self.source,
@@ -176,67 +188,93 @@ def _measure_activations(*, k: int, n: int) -> ActivationChoice:
         f"native bf16; {measured}: bf16 activations and KV cache (half the bytes)"))
 
 
-def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCapability | None = None,
+@dataclass(frozen=True, kw_only=True)
+class ProjectionShape:
+    """A quantized projection as the loader will build it: all the plan needs, before any is built."""
+
+    int4: bool  # Int4Linear, else Int8Linear
+    out_features: int
+    in_features: int
+    group_size: int  # the 4-bit codes' (the int8-dot kernel takes groups of 32 only)
+    w8a8: bool
+    head: bool  # the head only sees sampled rows, never a prompt chunk
+
+    @property
+    def key(self) -> str:
+        kind = ("Int4Linear" if self.int4 else "Int8Linear") + ("+w8a8" if self.w8a8 else "") + (" head" if self.head else "")
+        return f"{kind} {self.out_features}x{self.in_features}"
+
+    def synthetic(self, *, dtype: torch.dtype, plan: LinearPlan | None = None) -> RowPlanned:
+        """A module of this shape on random weights, to time and check kernels on: their time depends on the
+        shapes, not the values, and a misread layout or a wrong kernel shows on any weights."""
+        gen = torch.Generator().manual_seed(self.out_features * 7 + self.in_features)
+        n, k = self.out_features, self.in_features
+        if not self.int4:
+            return Int8Linear(torch.randn(n, k, generator=gen), dtype=dtype, w8a8=self.w8a8, plan=plan)
+        scale = torch.rand(n, k // self.group_size, generator=gen) * 0.02 + 0.001
+        weight = Int4Weight(packed=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                            scale=scale, offset=-8 * scale, group_size=self.group_size)
+        return Int4Linear(weight, dtype=dtype, w8a8=self.w8a8, plan=plan)
+
+
+def plan_kernels(shapes: Sequence[ProjectionShape], *, activations: ActivationChoice, cpu: CpuCapability | None = None,
                  cache_dir: Path | None = None, deterministic: bool = False, compiled: bool = False) -> KernelPlan:
-    """Measure (or read from the cache) each projection shape's thresholds, set them on every quantized
-    module of `model`, then self-check every module's fast paths on its real weights. `deterministic`
-    (EngineConfig.deterministic) gives the int8-dot kernel to every module it fits, raced or not.
-    `compiled` (EngineConfig.compile): the step runs through inductor, which cannot lower oneDNN's packed
-    linear inside its graph, so no prompt copy is packed."""
+    """Measure (or read from the cache) each projection shape's thresholds, then self-check each shape's
+    fast paths, before any quantized module is built: the loader builds each with `plan.linear(shape)`.
+    `shapes`: one per module to be built. `deterministic` (EngineConfig.deterministic) gives the int8-dot
+    kernel to every shape it fits, raced or not. `compiled` (EngineConfig.compile): the step runs through
+    inductor, which cannot lower oneDNN's packed linear inside its graph, so no prompt copy is packed."""
     started = time.perf_counter()
     cpu = cpu or detect_cpu()
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, RowPlanned)}
-    groups: dict[str, list[str]] = {}
-    for name, module in modules.items():
-        groups.setdefault(_shape_key(module, head=name.endswith("lm_head")), []).append(name)
+    groups: dict[str, list[ProjectionShape]] = {}
+    for shape in shapes:
+        groups.setdefault(shape.key, []).append(shape)
+    fits = {key: same[0].int4 and int8_dot_fits(same[0].out_features, same[0].in_features, same[0].group_size)
+            for key, same in groups.items()}
     # Before the measurement, so the dense path is timed with the dequantization it will run.
-    native = dequant_extension() if any(isinstance(m, Int4Linear) for m in modules.values()) else None
-    dot = int4_dot_extension() if any(isinstance(m, Int4Linear) and m.int8_dot_fits for m in modules.values()) else None
-    for module in modules.values():
-        if isinstance(module, Int4Linear):
-            module.native_dequant = native
+    native = dequant_extension() if any(s.int4 for s in shapes) else None
+    dot = int4_dot_extension() if any(fits.values()) else None
     cache = plan_cache_path(cache_dir, cpu, activations.dtype, [*sorted(groups), f"native dequant {native is not None}",
                                                                 f"int8 dot {dot is not None}"])
-    shapes = _read_cache(cache)
-    source = str(cache) if shapes is not None else "measured"
-    if shapes is None:
-        shapes = {key: _measure(modules[names[0]], dtype=activations.dtype, head=names[0].endswith("lm_head"), dot=dot)
-                  for key, names in groups.items()}
-        _write_cache(cache, shapes)
+    measured = _read_cache(cache)
+    source = str(cache) if measured is not None else "measured"
+    if measured is None:
+        measured = {key: _measure(same[0], dtype=activations.dtype, native=native, dot=dot if fits[key] else None)
+                    for key, same in groups.items()}
+        _write_cache(cache, measured)
     if deterministic and dot is not None:
-        shapes = {key: replace(p, int8_dot=p.int8_dot or _dot_fits(modules[groups[key][0]])) for key, p in shapes.items()}
+        measured = {key: replace(p, int8_dot=p.int8_dot or fits[key]) for key, p in measured.items()}
     fallbacks: list[str] = []
     # All the prompt copies the plan wants, or none (the memory rule: prompt_weights.py); deterministic
     # mode's rows all take one other path, and a compiled step cannot run them, so both keep none.
-    wanted = sum(prompt_weights.copy_bytes(modules[n].out_features, modules[n].in_features,
-                                           torch.int8 if shapes[key].prompt_int8 else activations.dtype)
-                 for key, names in groups.items() if shapes[key].prompt_route != "as_planned" for n in names)
+    wanted = sum(prompt_weights.copy_bytes(s.out_features, s.in_features,
+                                           torch.int8 if measured[key].prompt_int8 else activations.dtype)
+                 for key, same in groups.items() if measured[key].prompt_route != "as_planned" for s in same)
     packing, copy_bytes = not deterministic and not compiled and wanted <= prompt_weights.COPY_MAX_BYTES, 0
-    if any(m.has_w8a8 for m in modules.values()) and not int8_gemm_is_exact():
+    if any(s.w8a8 for s in shapes) and not int8_gemm_is_exact():
         fallbacks.append("W8A8 off everywhere: torch._int_mm is not exact on this CPU (no VNNI/AMX-INT8 in use)")
-        shapes = {key: replace(p, w8a8_from=None) for key, p in shapes.items()}
-    if any(p.prompt_int8 for p in shapes.values()) and not int8_gemm_is_exact():  # never measured so; checked
-        shapes = {key: replace(p, prompt_int8=False) for key, p in shapes.items()}
-    for key, names in groups.items():
-        for name in names:
-            module = modules[name]
-            if isinstance(module, Int4Linear):
-                module.use_int8_dot(dot if shapes[key].int8_dot and module.int8_dot_fits else None)
-            module.set_row_plan(dense_from=shapes[key].dense_from, w8a8_from=shapes[key].w8a8_from)
-            if packing and shapes[key].prompt_int8:
-                module.pack_prompt_int8(True)
-            elif packing and shapes[key].prompt_packed:
-                module.pack_prompt_weight(activations.dtype)
-            fallbacks += self_check(name, modules[name], dtype=activations.dtype)
-            if module.prompt_weight is not None:  # it passed the self-check
-                copy_bytes += prompt_weights.copy_bytes(module.out_features, module.in_features, activations.dtype)
-            if module.prompt_int8 is not None:
-                copy_bytes += module.prompt_int8.nbytes
-            if isinstance(module, Int4Linear):
-                module.release_torch_packing()  # where the int8-dot kernel passed: its tiles replace it
-    plan = KernelPlan(cpu=cpu, activations=activations, shapes=shapes, source=source, fallbacks=tuple(fallbacks),
-                      native_dequant=native is not None, seconds=time.perf_counter() - started,
-                      deterministic=deterministic, prompt_copy_bytes=copy_bytes)
+        measured = {key: replace(p, w8a8_from=None) for key, p in measured.items()}
+    if any(p.prompt_int8 for p in measured.values()) and not int8_gemm_is_exact():  # never measured so; checked
+        measured = {key: replace(p, prompt_int8=False) for key, p in measured.items()}
+    linears: dict[str, LinearPlan] = {}
+    for key, same in groups.items():
+        p, shape = measured[key], same[0]
+        proposed = LinearPlan(dense_from=p.dense_from, w8a8_from=p.w8a8_from,
+                              int8_dot=dot if p.int8_dot and fits[key] else None,
+                              native_dequant=native if shape.int4 else None,
+                              prompt_copy="int8" if packing and p.prompt_int8 else
+                              "packed" if packing and p.prompt_packed else "none")
+        failed, linears[key] = self_check(key, shape.synthetic(dtype=activations.dtype, plan=proposed),
+                                          dtype=activations.dtype)
+        fallbacks += failed
+        if linears[key].prompt_copy != "none":  # it passed the self-check
+            copy_bytes += len(same) * (shape.out_features * shape.in_features + 4 * shape.out_features
+                                       if linears[key].prompt_copy == "int8" else
+                                       prompt_weights.copy_bytes(shape.out_features, shape.in_features, activations.dtype))
+    plan = KernelPlan(cpu=cpu, activations=activations, shapes=measured, linears=linears, source=source,
+                      fallbacks=tuple(fallbacks), native_dequant=native is not None and not any(
+                          s.int4 and linears[s.key].native_dequant is None for s in shapes),
+                      seconds=time.perf_counter() - started, deterministic=deterministic, prompt_copy_bytes=copy_bytes)
     for line in fallbacks:
         log.warning("kernel self-check failed, falling back: %s", line)
     described = plan.describe()
@@ -245,67 +283,14 @@ def plan_kernels(model: nn.Module, *, activations: ActivationChoice, cpu: CpuCap
     return plan
 
 
-def _dot_fits(module: RowPlanned) -> bool:
-    return isinstance(module, Int4Linear) and module.int8_dot_fits
-
-
-def self_check(name: str, module: RowPlanned, *, dtype: torch.dtype) -> list[str]:
-    """Compare the module's weight-only (and W8A8) path with the dense reference on CHECK_ROWS of its
-    output rows; turn off a path that disagrees. Returns what was turned off."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, module.in_features, generator=gen)  # 8 rows: W8A8 and the kernel's multi-row blocks
-    index = torch.linspace(0, module.out_features - 1, min(CHECK_ROWS, module.out_features)).round().long()
-    index = torch.unique_consecutive(index)
-    reference = F.linear(x, module.dense_weight(torch.float32, index))  # (8, len(index)) fp32
-    failed: list[str] = []
-
-    def weight_only_error() -> float:
-        return _relative_error(module.weight_only_rows(x.to(dtype)).float()[:, index], reference)
-
-    if isinstance(module, Int4Linear) and module.native_dequant is not None:
-        native = module.dense_weight(dtype)[index].float()
-        error = _relative_error(native, module.torch_dense_weight(dtype, index).float())
-        if not error < (NATIVE_TOLERANCE if dtype != torch.float32 else NATIVE_TOLERANCE_FP32):
-            failed.append(f"{name}: native dequantization off (relative error {error:.3g} against the torch path)")
-            module.native_dequant = None
-    dot_passed = False
-    if isinstance(module, Int4Linear) and module.int8_dot is not None:
-        error = weight_only_error()
-        dot_passed = error < W8A8_TOLERANCE  # int8 activations, as W8A8's
-        if not dot_passed:
-            failed.append(f"{name}: int8-dot kernel off (relative error {error:.3g})")
-            module.use_int8_dot(None)  # torch's kernel takes the weight-only calls: check it next
-    if not dot_passed:
-        error = weight_only_error()
-        if not error < WEIGHT_ONLY_TOLERANCE:  # also catches NaN
-            failed.append(f"{name}: weight-only kernel off (relative error {error:.3g})")
-            module.set_row_plan(dense_from=1, w8a8_from=module.w8a8_from)
-    if module.prompt_weight is not None:
-        error = _relative_error(module.packed_linear(x.to(dtype)).float()[:, index], reference)
-        if not error < WEIGHT_ONLY_TOLERANCE:
-            failed.append(f"{name}: packed prompt copy off (relative error {error:.3g})")
-            module.pack_prompt_weight(None)
-    if module.prompt_int8 is not None:
-        error = _relative_error(module.prompt_int8(x.to(dtype)).float()[:, index], reference)
-        if not error < W8A8_TOLERANCE:  # int8 activations, as W8A8's
-            failed.append(f"{name}: int8 prompt copy off (relative error {error:.3g})")
-            module.pack_prompt_int8(False)
-    if module.w8a8_from is not None:
-        error = _relative_error(module.w8a8(x.to(dtype)).float()[:, index], reference)
-        if not error < W8A8_TOLERANCE:
-            failed.append(f"{name}: W8A8 off (relative error {error:.3g})")
-            module.set_row_plan(dense_from=module.dense_from, w8a8_from=None)
-    return failed
-
-
-def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value - reference).norm() / reference.norm().clamp_min(1e-12))
-
-
-def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleType | None = None) -> ShapePlan:
-    int8_dot = isinstance(module, Int4Linear) and dot is not None and module.int8_dot_fits and _dot_wins(module, dot)
-    if isinstance(module, Int4Linear):
-        module.use_int8_dot(dot if int8_dot else None)  # the dense path races the weight-only kernel it will meet
+def _measure(shape: ProjectionShape, *, dtype: torch.dtype, native: ModuleType | None,
+             dot: ModuleType | None) -> ShapePlan:
+    """`dot`: the int8-dot kernel where the shape fits it."""
+    module = shape.synthetic(dtype=dtype, plan=LinearPlan(dense_from=None, w8a8_from=None,
+                                                          native_dequant=native if shape.int4 else None))
+    int8_dot = isinstance(module, Int4Linear) and dot is not None and _dot_wins(module, dot)
+    if int8_dot:  # the dense path races the weight-only kernel it will meet
+        module = module.with_plan(replace(module.plan, int8_dot=dot))
 
     def weight_only(x: torch.Tensor) -> Callable[[], object]:
         return lambda: module.weight_only_rows(x)
@@ -319,7 +304,7 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
     x = torch.randn(max(DENSE_LADDER), module.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
     timings: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
-        ladder = tuple(r for r in DENSE_LADDER if not head or r <= HEAD_MAX_ROWS)
+        ladder = tuple(r for r in DENSE_LADDER if not shape.head or r <= HEAD_MAX_ROWS)
         timings["weight_only"], timings["dense"] = _race(weight_only, dense, x, ladder)
         w8a8_from = None
         if module.has_w8a8:
@@ -327,12 +312,12 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
             w8a8_from = first_win(timings["w8a8"], timings["weight_only_small"])
     dense_from = first_win(timings["dense"], timings["weight_only"])
     prompt_packed = prompt_int8 = False
-    if not head:
-        module.set_row_plan(dense_from=dense_from, w8a8_from=w8a8_from)  # the prompt path as planned
-        best: Callable[[torch.Tensor], torch.Tensor] = module.prompt_path
+    if not shape.head:
+        planned = module.with_plan(replace(module.plan, dense_from=dense_from, w8a8_from=w8a8_from))
+        best: Callable[[torch.Tensor], torch.Tensor] = planned.prompt_path  # the prompt path as planned
         if prompt_weights.supported(dtype):
             weight = module.dense_weight(dtype)
-            prompt_packed, packed_timings = prompt_weights.race(module.prompt_path, weight, x, time_ms=_time_ms)
+            prompt_packed, packed_timings = prompt_weights.race(planned.prompt_path, weight, x, time_ms=_time_ms)
             timings.update({f"prompt_{path}": rungs for path, rungs in packed_timings.items()})
             if prompt_packed:
                 best = prompt_weights.packed_linear(weight)
@@ -350,13 +335,12 @@ def _measure(module: RowPlanned, *, dtype: torch.dtype, head: bool, dot: ModuleT
 
 def _dot_wins(module: Int4Linear, dot: ModuleType) -> bool:
     """The int8-dot kernel replaces torch's for every weight-only call (one kernel at every row count,
-    so a stream's tokens do not depend on its batch) only where it wins by DOT_WINS' margins. Times
-    the module's own path, so its tiles are laid out once: _measure keeps them where it wins."""
+    so a stream's tokens do not depend on its batch) only where it wins by DOT_WINS' margins."""
     x = torch.randn(max(DOT_WINS), module.in_features, generator=torch.Generator().manual_seed(3)).to(KERNEL_DTYPE)
-    module.use_int8_dot(dot)
+    with_dot = module.with_plan(replace(module.plan, int8_dot=dot))
 
     def native(rows: torch.Tensor) -> Callable[[], object]:
-        return lambda: module.weight_only(rows)
+        return lambda: with_dot.weight_only(rows)
 
     def stock(rows: torch.Tensor) -> Callable[[], object]:
         return lambda: module.torch_weight_only(rows)
@@ -411,11 +395,6 @@ def _gemm_ms(dtype: torch.dtype, *, rows: int, k: int, n: int) -> float:
     x, w = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
     with torch.inference_mode():
         return _time_ms(lambda: F.linear(x, w), repeats=3)
-
-
-def _shape_key(module: RowPlanned, *, head: bool) -> str:
-    kind = type(module).__name__ + ("+w8a8" if module.has_w8a8 else "") + (" head" if head else "")
-    return f"{kind} {module.out_features}x{module.in_features}"
 
 
 def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,

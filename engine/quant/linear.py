@@ -8,7 +8,9 @@ activations are fp32 (a CPU without native bf16, see kernel_plan.py) the rows ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from types import ModuleType
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,40 @@ DOT_MIN_WEIGHTS = 1 << 16
 # checks that every persistent tensor was loaded.
 
 
+@dataclass(frozen=True, kw_only=True)
+class LinearPlan:
+    """One quantized projection's routes on this machine, handed to the module at construction (the kernel
+    plan, kernel_plan.py, makes one per projection shape; a module built outside an engine takes
+    `LinearPlan.default`). `None` turns a path off."""
+
+    dense_from: int | None  # rows from which a call takes the dense GEMM (RowPlanned.takes_dense); 1: every call
+    w8a8_from: int | None  # rows from which a call takes W8A8 (only where the module has int8 codes)
+    # The weight-only route: native.py's int8-dot kernel (Int4Linear only), or None for torch's kernel.
+    int8_dot: ModuleType | None = None
+    # The dense path's dequantization: native.py's fused C++ kernel (Int4Linear only), or None for torch's ops.
+    native_dequant: ModuleType | None = None
+    # Which copy of the weights prompt rows run on: none (the row thresholds' paths), a oneDNN-packed dense
+    # copy, or an int8 copy (prompt_weights.py).
+    prompt_copy: Literal["none", "packed", "int8"] = "none"
+
+    @property
+    def mixed_dense_from(self) -> int | None:
+        """Where a call in a step with decode or verify rows leaves the weight-only kernel."""
+        if self.dense_from is None or self.dense_from == 1:
+            return self.dense_from
+        return max(self.dense_from, DENSE_MIN_ROWS)
+
+    @classmethod
+    def default(cls, *, int4: bool, w8a8: bool) -> LinearPlan:
+        return cls(dense_from=DENSE_ROWS if int4 else None, w8a8_from=W8A8_ROWS if w8a8 else None)
+
+
+def int8_dot_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """The int8-dot kernel's shapes: groups of 32, outputs in blocks of 16; and a matrix large enough for a
+    timing to mean something (a call on a tiny one is all overhead, and the choice would follow the noise)."""
+    return group_size == DOT_GROUP and out_features % TILE_COLUMNS == 0 and in_features * out_features >= DOT_MIN_WEIGHTS
+
+
 class RowPlanned(nn.Module):
     """A quantized projection with three ways to run a call, chosen by its row count:
 
@@ -64,34 +100,40 @@ class RowPlanned(nn.Module):
     - a dense GEMM on weights dequantized from the project's own codes from `dense_from` rows (prompt
       chunks: the kernel dequantizes per block of rows, so its cost grows with rows much faster).
 
-    The thresholds are this machine's, set by the kernel plan; `None` turns a path off. `dense_from`
-    applies as is to prompt-only steps and from DENSE_MIN_ROWS to the others; 1 sends every call to the
-    dense path (the weight-only kernel failed its self-check)."""
+    The thresholds are this machine's, from the LinearPlan it was built with. `dense_from` applies as is
+    to prompt-only steps and from DENSE_MIN_ROWS to the others; 1 sends every call to the dense path
+    (the weight-only kernel failed its self-check). Nothing changes them after construction: another
+    plan is another module (`with_plan`, sharing the weights)."""
 
     in_features: int
     out_features: int
-    dense_from: int | None
-    w8a8_from: int | None
-    # Prompt rows' dense weights, dequantized once and packed for oneDNN, where the kernel plan measured
-    # them faster than the prompt path's other routes within its memory rule (kernel_plan.py); None:
+    dtype: torch.dtype
+    plan: LinearPlan
+    # Prompt rows' dense weights, dequantized once and packed for oneDNN (plan.prompt_copy "packed"); None:
     # prompt rows dequantize per call or take the weight-only kernel.
     prompt_weight: torch.Tensor | None = None
-    # Prompt rows' int8 copy (prompt_weights.Int8Copy), where the plan measured it faster still; it replaces
-    # the dense copy.
+    # Prompt rows' int8 copy (prompt_weights.Int8Copy, plan.prompt_copy "int8"); it replaces the dense copy.
     prompt_int8: Int8Copy | None = None
 
-    def set_row_plan(self, *, dense_from: int | None, w8a8_from: int | None) -> None:
-        self.dense_from = dense_from
-        self.w8a8_from = w8a8_from if self.has_w8a8 else None
+    def _take_plan(self, plan: LinearPlan) -> None:
+        """Construction's last step: the routes `plan` gives, and the copies they run on."""
+        self.plan = plan if self.has_w8a8 or plan.w8a8_from is None else replace(plan, w8a8_from=None)
+        if plan.prompt_copy == "int8":
+            self.prompt_int8 = Int8Copy.of(self.dense_weight(torch.float32))
+        elif plan.prompt_copy == "packed":
+            self.prompt_weight = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(self.dtype), None)
 
-    def pack_prompt_weight(self, dtype: torch.dtype | None) -> None:
-        """Prompt rows through a oneDNN-packed dense copy in `dtype` (None drops it)."""
-        self.prompt_weight = None if dtype is None else \
-            torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(dtype), None)
+    def with_plan(self, plan: LinearPlan) -> RowPlanned:
+        """This module's weights under another plan: a new module sharing the weight tensors."""
+        raise NotImplementedError
 
-    def pack_prompt_int8(self, on: bool) -> None:
-        """Prompt rows through an int8 copy of the weights' own values (False drops it)."""
-        self.prompt_int8 = Int8Copy.of(self.dense_weight(torch.float32)) if on else None
+    @property
+    def dense_from(self) -> int | None:
+        return self.plan.dense_from
+
+    @property
+    def w8a8_from(self) -> int | None:
+        return self.plan.w8a8_from
 
     def packed_linear(self, rows: torch.Tensor) -> torch.Tensor:
         assert self.prompt_weight is not None
@@ -155,11 +197,8 @@ class RowPlanned(nn.Module):
         return self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
 
     def takes_dense(self, rows: int, *, prompt_only: bool = False) -> bool:
-        if self.dense_from is None:
-            return False
-        if self.dense_from == 1 or prompt_only:
-            return rows >= self.dense_from
-        return rows >= max(self.dense_from, DENSE_MIN_ROWS)
+        threshold = self.dense_from if prompt_only else self.plan.mixed_dense_from
+        return threshold is not None and rows >= threshold
 
     def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) bf16 -> (M, N) bf16 through the weight-only kernel (torch's, or native.py's int8 dot)."""
@@ -183,45 +222,61 @@ class Int4Linear(RowPlanned):
     With `w8a8`, also an int8 per-channel copy of the same weights (one byte a weight, on top of the
     half byte of the 4-bit codes) for W8A8 (see engine/quant/w8a8.py).
 
-    Where the kernel plan gives it the int8-dot kernel (use_int8_dot), the codes are also laid out in
-    that kernel's tiles, and torch's packed copy (built at its first use: the plan times torch's kernel
-    on one module of each shape) is dropped once the kernel passed its self-check
-    (release_torch_packing): the same half byte a weight, in the layout that is used; it is rebuilt
-    from the codes if torch's kernel is ever needed again."""
+    Where its plan gives it the int8-dot kernel, the codes are also laid out in that kernel's tiles, and
+    torch's packed copy (built at its first use) is never built: the same half byte a weight, in the
+    layout that is used."""
 
     packed: torch.Tensor
     scale_zeros: torch.Tensor
     codes: torch.Tensor
     w8a8_codes: torch.Tensor | None
     w8a8_scales: torch.Tensor | None
-    # The fused C++ dequantization (native.py), where the kernel plan built it and it passed the
-    # module's self-check; None: torch's elementwise ops.
-    native_dequant: ModuleType | None = None
-    # The int8-dot C++ kernel for every weight-only call (native.py), where the kernel plan measured it
-    # winning by kernel_plan.DOT_WINS' margins; None: torch's kernel. Set through use_int8_dot.
-    int8_dot: ModuleType | None = None
     dot_tiles: DotTiles | None = None
 
-    def __init__(self, weight: Int4Weight, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.group_size, self.dtype = weight.group_size, dtype
-        self.dense_from, self.w8a8_from = DENSE_ROWS, (W8A8_ROWS if w8a8 else None)
-        pad = self._padding_rows()
-        self.register_buffer("codes", weight.packed, persistent=False)  # (N, K/2) uint8, our layout
-        # torch's packed copy, built at its first use (torch_packing): where the kernel plan gives every
-        # weight-only call to the int8-dot kernel it is never built, and the load's peak holds one copy
-        # of the weights fewer.
-        self.register_buffer("packed", self.codes.new_empty(0), persistent=False)
+    def __init__(self, weight: Int4Weight, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False,
+                 plan: LinearPlan | None = None) -> None:
+        pad = -weight.shape[0] % 64  # see _padding_rows
         # (K/G, N', 2): scale and the kernel's zero, which applies to (code - 8). Our layout too: it is the
         # kernel's input, documented as such, not its private packing.
         scale = F.pad(weight.scale, (0, 0, 0, pad))
         zero = F.pad(weight.offset + 8 * weight.scale, (0, 0, 0, pad))
-        self.register_buffer("scale_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous(),
-                             persistent=False)
+        scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         codes, scales = int8_from_int4(weight) if w8a8 else (None, None)
-        self.register_buffer("w8a8_codes", codes, persistent=False)  # (N, K) int8
-        self.register_buffer("w8a8_scales", scales, persistent=False)  # (N,) fp32
+        self._build(weight.packed, scale_zeros, weight.group_size, dtype=dtype, w8a8_codes=codes, w8a8_scales=scales,
+                    plan=plan or LinearPlan.default(int4=True, w8a8=w8a8))
+
+    def _build(self, codes: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, *, dtype: torch.dtype,
+               w8a8_codes: torch.Tensor | None, w8a8_scales: torch.Tensor | None, plan: LinearPlan,
+               packed: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
+        self.group_size, self.dtype = group_size, dtype
+        self.register_buffer("codes", codes, persistent=False)  # (N, K/2) uint8, our layout
+        # torch's packed copy, built at its first use (torch_packing): where the plan gives every weight-only
+        # call to the int8-dot kernel it is never built, and the load's peak holds one copy of the weights fewer.
+        self.register_buffer("packed", codes.new_empty(0) if packed is None else packed, persistent=False)
+        self.register_buffer("scale_zeros", scale_zeros, persistent=False)
+        self.register_buffer("w8a8_codes", w8a8_codes, persistent=False)  # (N, K) int8
+        self.register_buffer("w8a8_scales", w8a8_scales, persistent=False)  # (N,) fp32
+        if plan.int8_dot is not None and not (group_size == DOT_GROUP and self.out_features % TILE_COLUMNS == 0):
+            raise ValueError(f"the int8-dot kernel cannot run a {self.out_features}x{self.in_features} matrix in "
+                             f"groups of {group_size}")
+        self.dot_tiles = tile_codes(codes, scale_zeros) if plan.int8_dot is not None else None
+        self._take_plan(plan)
+
+    def with_plan(self, plan: LinearPlan) -> Int4Linear:
+        module = Int4Linear.__new__(Int4Linear)
+        module._build(self.codes, self.scale_zeros, self.group_size, dtype=self.dtype, w8a8_codes=self.w8a8_codes,
+                      w8a8_scales=self.w8a8_scales, plan=plan, packed=self.packed)
+        return module
+
+    @property
+    def int8_dot(self) -> ModuleType | None:
+        return self.plan.int8_dot
+
+    @property
+    def native_dequant(self) -> ModuleType | None:
+        return self.plan.native_dequant
 
     def _padding_rows(self) -> int:
         """Rows torch's pack op and its scale_zeros are padded by, one count for both: the op wants N a
@@ -248,24 +303,7 @@ class Int4Linear(RowPlanned):
 
     @property
     def int8_dot_fits(self) -> bool:
-        """The int8-dot kernel's shapes: groups of 32, outputs in blocks of 16; and a matrix large enough
-        for a timing to mean something (a call on a tiny one is all overhead, and the choice would follow
-        the noise)."""
-        return (self.group_size == DOT_GROUP and self.out_features % TILE_COLUMNS == 0
-                and self.in_features * self.out_features >= DOT_MIN_WEIGHTS)
-
-    def use_int8_dot(self, kernel: ModuleType | None) -> None:
-        """Weight-only calls through `kernel` (laying the codes out in its tiles once), or torch's (None)."""
-        self.int8_dot = kernel
-        if kernel is None:
-            self.dot_tiles = None
-        elif self.dot_tiles is None:
-            self.dot_tiles = tile_codes(self.codes, self.scale_zeros)
-
-    def release_torch_packing(self) -> None:
-        """Drop torch's packed copy while the int8-dot kernel takes every weight-only call."""
-        if self.int8_dot is not None:
-            self.packed = self.packed.new_empty(0)
+        return int8_dot_fits(self.out_features, self.in_features, self.group_size)
 
     def weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
         # The int8-dot kernel takes fp32 rows as they are: on a CPU without native bf16 the round trip
@@ -321,16 +359,30 @@ class Int8Linear(RowPlanned):
     scales: torch.Tensor
     w8a8_scales: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.dtype = dtype
-        self.dense_from, self.w8a8_from = None, (W8A8_ROWS if w8a8 else None)
+    def __init__(self, weight: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16, w8a8: bool = False,
+                 plan: LinearPlan | None = None) -> None:
         codes, scales = quantize_int8(weight)
-        self.register_buffer("weight_int8", codes, persistent=False)  # (N, K)
-        self.register_buffer("scales", scales.to(KERNEL_DTYPE), persistent=False)  # (N,), the weight-only kernel's
+        scales = scales.to(KERNEL_DTYPE)  # the weight-only kernel's
         # W8A8 scales its int32 sums by the same scales, as rounded for the weight-only kernel, in fp32.
-        self.register_buffer("w8a8_scales", self.scales.float() if w8a8 else None, persistent=False)
+        self._build(codes, scales, scales.float() if w8a8 else None, dtype=dtype,
+                    plan=plan or LinearPlan.default(int4=False, w8a8=w8a8))
+
+    def _build(self, codes: torch.Tensor, scales: torch.Tensor, w8a8_scales: torch.Tensor | None, *,
+               dtype: torch.dtype, plan: LinearPlan) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.dtype = dtype
+        self.register_buffer("weight_int8", codes, persistent=False)  # (N, K)
+        self.register_buffer("scales", scales, persistent=False)  # (N,)
+        self.register_buffer("w8a8_scales", w8a8_scales, persistent=False)
+        if plan.int8_dot is not None or plan.native_dequant is not None:
+            raise ValueError("the native kernels run 4-bit weights, not int8 ones")
+        self._take_plan(plan)
+
+    def with_plan(self, plan: LinearPlan) -> Int8Linear:
+        module = Int8Linear.__new__(Int8Linear)
+        module._build(self.weight_int8, self.scales, self.w8a8_scales, dtype=self.dtype, plan=plan)
+        return module
 
     @property
     def has_w8a8(self) -> bool:
@@ -347,45 +399,3 @@ class Int8Linear(RowPlanned):
     def dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         codes, scales = (self.weight_int8, self.scales) if rows is None else (self.weight_int8[rows], self.scales[rows])
         return codes.to(dtype).mul_(scales.to(dtype).unsqueeze(1))
-
-
-class Int4Embedding(nn.Module):
-    """Token embedding over 4-bit codes: only the looked-up rows are dequantized."""
-
-    packed: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor
-
-    def __init__(self, weight: Int4Weight, *, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.group_size, self.dtype = weight.group_size, dtype
-        self.register_buffer("packed", weight.packed.contiguous(), persistent=False)  # (V, C/2)
-        self.register_buffer("scale", weight.scale.contiguous(), persistent=False)  # (V, C/G)
-        self.register_buffer("offset", weight.offset.contiguous(), persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: (N,) -> (N, C)
-        n, groups = ids.shape[0], self.embedding_dim // self.group_size
-        codes = unpack_nibbles(self.packed.index_select(0, ids)).view(n, groups, self.group_size).float()
-        rows = codes * self.scale.index_select(0, ids).unsqueeze(-1) + self.offset.index_select(0, ids).unsqueeze(-1)
-        return rows.view(n, self.embedding_dim).to(self.dtype)
-
-
-class Int8Embedding(nn.Module):
-    """Token embedding over int8 codes, e.g. the tied head's own: only the looked-up rows are dequantized."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = codes.shape
-        self.dtype = dtype
-        self.register_buffer("codes", codes, persistent=False)  # (V, C) int8; the same tensor as a tied Int8Linear's
-        self.register_buffer("scales", scales, persistent=False)  # (V,)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: (N,) -> (N, C)
-        codes = self.codes.index_select(0, ids).float()
-        return (codes * self.scales.index_select(0, ids).float().unsqueeze(1)).to(self.dtype)

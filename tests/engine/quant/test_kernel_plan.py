@@ -18,11 +18,14 @@ from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.kernel_plan import (
     ActivationChoice,
+    KernelPlan,
+    ProjectionShape,
     choose_activations,
     first_win,
     plan_kernels,
-    self_check,
 )
+from decodeservice.engine.quant.linear import LinearPlan
+from decodeservice.engine.quant.self_check import self_check
 
 # Flags as /proc/cpuinfo prints them on the two kinds of machine this project runs on (abridged).
 AMD_AVX2 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
@@ -90,7 +93,7 @@ def reference(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
 def test_self_check_passes_the_kernels_of_this_machine(dtype: torch.dtype) -> None:
     for module in (Int4Linear(quantize_int4(gaussian(200, 128, 0)), dtype=dtype, w8a8=True),
                    Int8Linear(gaussian(200, 128, 1), dtype=dtype, w8a8=True)):
-        assert self_check("m", module, dtype=dtype) == []
+        assert self_check("m", module, dtype=dtype) == ([], module.plan)
         assert module.dense_from != 1 and module.w8a8_from is not None
 
 
@@ -100,9 +103,10 @@ def test_self_check_refuses_a_kernel_layout_it_misreads_and_falls_back_to_dense(
     the dense path on our own codes, which stays right."""
     module = Int4Linear(quantize_int4(gaussian(128, 128, 2)), dtype=torch.float32)
     module.packed = module.torch_packing().flip(0).contiguous()
-    failed = self_check("layers.0.mlp.down_proj", module, dtype=torch.float32)
+    failed, checked = self_check("layers.0.mlp.down_proj", module, dtype=torch.float32)
     assert len(failed) == 1 and "weight-only kernel off" in failed[0] and "layers.0.mlp.down_proj" in failed[0]
-    assert module.dense_from == 1
+    assert checked.dense_from == 1
+    module = module.with_plan(checked)  # the same scrambled copy, built with the checked plan
     x = gaussian(1, 128, 3)
     torch.testing.assert_close(module(x), reference(module, x), rtol=1e-5, atol=1e-4)
 
@@ -111,23 +115,30 @@ def test_self_check_turns_off_a_wrong_w8a8_copy() -> None:
     module = Int4Linear(quantize_int4(gaussian(128, 128, 4)), dtype=torch.bfloat16, w8a8=True)
     assert module.w8a8_scales is not None
     module.w8a8_scales = module.w8a8_scales.flip(0).contiguous()  # scales of the wrong channels
-    failed = self_check("lm_head", module, dtype=torch.bfloat16)
+    failed, checked = self_check("lm_head", module, dtype=torch.bfloat16)
     assert failed == [failed[0]] and "W8A8 off" in failed[0]
-    assert module.w8a8_from is None
+    assert checked.w8a8_from is None and module.with_plan(checked).w8a8_from is None
+
+
+INT4_192x64 = ProjectionShape(int4=True, out_features=192, in_features=64, group_size=32, w8a8=False, head=False)
+INT8_HEAD = ProjectionShape(int4=False, out_features=320, in_features=64, group_size=0, w8a8=True, head=True)
+TWO_LAYERS = [INT4_192x64, INT4_192x64, INT8_HEAD]  # a and b of the same shape: one measure
 
 
 class TwoLayers(torch.nn.Module):
-    def __init__(self) -> None:
+    """Built as the loader builds a model: every module with its part of a plan made before it."""
+
+    def __init__(self, plan: KernelPlan) -> None:
         super().__init__()
-        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32)
-        self.b = Int4Linear(quantize_int4(gaussian(192, 64, 6)), dtype=torch.float32)  # same shape: one measure
-        self.lm_head = Int8Linear(gaussian(320, 64, 7), dtype=torch.float32, w8a8=True)
+        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32, plan=plan.linear(INT4_192x64))
+        self.b = Int4Linear(quantize_int4(gaussian(192, 64, 6)), dtype=torch.float32, plan=plan.linear(INT4_192x64))
+        self.lm_head = Int8Linear(gaussian(320, 64, 7), dtype=torch.float32, w8a8=True, plan=plan.linear(INT8_HEAD))
 
 
 def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path: Path) -> None:
-    model = TwoLayers()
     fp32 = ActivationChoice(dtype=torch.float32, reason="test")
-    plan = plan_kernels(model, activations=fp32, cache_dir=tmp_path)
+    plan = plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path)
+    model = TwoLayers(plan)
     assert plan.source == "measured"
     assert all("torch._int_mm is not exact" in line for line in plan.fallbacks)  # only where it is not (AVX2)
     assert set(plan.shapes) == {"Int4Linear 192x64", "Int8Linear+w8a8 head 320x64"}
@@ -149,25 +160,25 @@ def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path:
     assert rows["dense_from"] == int4.mixed_dense_from
     # A second load reads the cache (no measurement), and still self-checks.
     (cached_file,) = tmp_path.glob("plan-*.json")
-    again = plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path)
+    again = plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path)
     assert again.source == str(cached_file) and again.shapes == plan.shapes
     # A torn file is measured again, not trusted.
     cached_file.write_text("{not json")
-    assert plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path).source == "measured"
+    assert plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path).source == "measured"
 
 
 def test_plan_cache_is_keyed_by_the_machine(tmp_path: Path) -> None:
     fp32 = ActivationChoice(dtype=torch.float32, reason="test")
-    plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 fma", aten="AVX2"))
-    plan_kernels(TwoLayers(), activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 avx512_bf16"))
+    plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 fma", aten="AVX2"))
+    plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 avx512_bf16"))
     assert len(list(tmp_path.glob("plan-*.json"))) == 2
 
 
 def test_w8a8_runs_only_where_the_int8_gemm_is_exact(tmp_path: Path) -> None:
     """On plain AVX2 (no VNNI) oneDNN's int8 GEMM saturates 16-bit pair sums: the plan must not run
     W8A8 there. This file runs on both kinds (scripts/test.sh), so both branches are exercised."""
-    model = TwoLayers()
-    plan = plan_kernels(model, activations=ActivationChoice(dtype=torch.float32, reason="test"), cache_dir=tmp_path)
+    plan = plan_kernels(TWO_LAYERS, activations=ActivationChoice(dtype=torch.float32, reason="test"), cache_dir=tmp_path)
+    model = TwoLayers(plan)
     if int8_gemm_is_exact():  # W8A8 then runs from wherever it measured faster (at tiny shapes: maybe nowhere)
         assert model.lm_head.w8a8_from == plan.shapes["Int8Linear+w8a8 head 320x64"].w8a8_from
         assert not any("torch._int_mm is not exact" in line for line in plan.fallbacks)
@@ -184,8 +195,9 @@ def test_the_dense_path_takes_short_prompt_chunks_but_never_a_decode_step() -> N
     from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, StepRows
 
     assert DENSE_MIN_ROWS > MAX_ROWS
-    module = Int4Linear(quantize_int4(gaussian(192, 64, 8)), dtype=torch.float32)
-    module.set_row_plan(dense_from=16, w8a8_from=None)  # as a plan that measured dense faster from 16 rows
+    # as a plan that measured dense faster from 16 rows
+    module = Int4Linear(quantize_int4(gaussian(192, 64, 8)), dtype=torch.float32,
+                        plan=LinearPlan(dense_from=16, w8a8_from=None))
     x = gaussian(MAX_ROWS, 64, 9)
     weight_only = module.weight_only(x.to(torch.bfloat16)).float()
     dense = F.linear(x, module.dense_weight(torch.float32))
@@ -195,7 +207,7 @@ def test_the_dense_path_takes_short_prompt_chunks_but_never_a_decode_step() -> N
     assert torch.equal(module(x, prompt_only), dense)  # the same rows as a prompt chunk: dense
     # below the plan's 16
     assert torch.equal(module(x[:15], prompt_only), module.weight_only(x[:15].to(torch.bfloat16)).float())
-    module.set_row_plan(dense_from=1, w8a8_from=None)  # the kernel failed its self-check: everything dense
+    module = module.with_plan(LinearPlan(dense_from=1, w8a8_from=None))  # the kernel failed its self-check: all dense
     assert torch.equal(module(x[:1]), F.linear(x[:1], module.dense_weight(torch.float32)))
 
 

@@ -16,7 +16,8 @@ from decodeservice.engine import cpp_extensions
 from decodeservice.engine.cpp_extensions import DISABLE_ENV
 from decodeservice.engine.quant import Int4Linear, cpu, quantize_int4
 from decodeservice.engine.quant.cpu import detect_cpu
-from decodeservice.engine.quant.kernel_plan import W8A8_TOLERANCE, ActivationChoice, plan_kernels, self_check
+from decodeservice.engine.quant.kernel_plan import ActivationChoice, ProjectionShape, plan_kernels
+from decodeservice.engine.quant.linear import LinearPlan
 from decodeservice.engine.quant.native import (
     DOT_SOURCE,
     dequant_extension,
@@ -24,6 +25,7 @@ from decodeservice.engine.quant.native import (
     int4_dot_matmul,
     tile_codes,
 )
+from decodeservice.engine.quant.self_check import W8A8_TOLERANCE, self_check
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -42,11 +44,10 @@ def extension() -> types.ModuleType:
 def test_native_dequantization_matches_the_torch_path(extension: types.ModuleType, group_size: int,
                                                       rows: int) -> None:
     module = Int4Linear(quantize_int4(gaussian(rows, 256, rows), group_size=group_size))
+    with_native = module.with_plan(replace(module.plan, native_dequant=extension))
     for dtype in (torch.float32, torch.bfloat16):
         reference = module.torch_dense_weight(dtype)
-        module.native_dequant = extension
-        native = module.dense_weight(dtype)
-        module.native_dequant = None
+        native = with_native.dense_weight(dtype)
         assert native.dtype == dtype and native.shape == reference.shape
         # fp32: a fused multiply-add's last bit at most; bf16: one rounding here, three in torch's ops
         step = reference.float().abs().max().item() * (2**-7 if dtype == torch.bfloat16 else 2**-20)
@@ -54,11 +55,11 @@ def test_native_dequantization_matches_the_torch_path(extension: types.ModuleTyp
 
 
 def test_the_plan_runs_the_dense_path_through_it_and_says_so(extension: types.ModuleType, tmp_path: object) -> None:
-    model = torch.nn.Module()
-    model.proj = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32)
-    plan = plan_kernels(model, activations=ActivationChoice(dtype=torch.float32, reason="test"),
+    shape = ProjectionShape(int4=True, out_features=192, in_features=64, group_size=32, w8a8=False, head=False)
+    plan = plan_kernels([shape], activations=ActivationChoice(dtype=torch.float32, reason="test"),
                         cache_dir=tmp_path)  # type: ignore[arg-type]
-    assert model.proj.native_dequant is extension
+    proj = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32, plan=plan.linear(shape))
+    assert proj.native_dequant is extension
     assert plan.native_dequant and plan.describe()["native_dequant"] is True
 
 
@@ -68,10 +69,11 @@ def test_self_check_turns_off_a_native_kernel_that_disagrees(extension: types.Mo
         def dequantize_int4(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, out: torch.Tensor) -> None:
             extension.dequantize_int4(codes.roll(1, dims=0).contiguous(), scale_zeros, group, out)
 
-    module = Int4Linear(quantize_int4(gaussian(128, 64, 6)), dtype=torch.float32)
-    module.native_dequant = Shifted  # type: ignore[assignment]
-    failed = self_check("layers.3.mlp.down_proj", module, dtype=torch.float32)
+    module = Int4Linear(quantize_int4(gaussian(128, 64, 6)), dtype=torch.float32,
+                        plan=LinearPlan(dense_from=None, w8a8_from=None, native_dequant=Shifted))  # type: ignore[arg-type]
+    failed, checked = self_check("layers.3.mlp.down_proj", module, dtype=torch.float32)
     assert failed and "native dequantization off" in failed[0] and "layers.3.mlp.down_proj" in failed[0]
+    module = module.with_plan(checked)
     assert module.native_dequant is None
     torch.testing.assert_close(module.dense_weight(torch.float32), module.torch_dense_weight(torch.float32))
 
@@ -120,25 +122,27 @@ def test_self_check_turns_off_an_int8_dot_kernel_that_disagrees(int8_dot: types.
         def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, out: torch.Tensor) -> None:
             int8_dot.int4_matmul(x, codes.roll(1, dims=0).contiguous(), scale_zeros, out)
 
-    module = Int4Linear(quantize_int4(gaussian(128, 64, 7)), dtype=torch.float32)
-    module.use_int8_dot(Shifted)  # type: ignore[arg-type]
-    failed = self_check("layers.1.self_attn.o_proj", module, dtype=torch.float32)
-    assert failed and "int8-dot kernel off" in failed[0] and module.int8_dot is None
+    module = Int4Linear(quantize_int4(gaussian(128, 64, 7)), dtype=torch.float32,
+                        plan=LinearPlan(dense_from=None, w8a8_from=None, int8_dot=Shifted))  # type: ignore[arg-type]
+    failed, checked = self_check("layers.1.self_attn.o_proj", module, dtype=torch.float32)
+    assert failed and "int8-dot kernel off" in failed[0] and module.with_plan(checked).int8_dot is None
     assert failed == [failed[0]]  # torch's kernel, now in use again, passes
 
 
 def test_the_plan_takes_the_int8_dot_kernel_only_where_it_measured_faster(int8_dot: types.ModuleType,
                                                                           tmp_path: object) -> None:
-    model = torch.nn.Module()
-    model.proj = Int4Linear(quantize_int4(gaussian(1536, 576, 8)))
-    plan = plan_kernels(model, activations=ActivationChoice(dtype=torch.bfloat16, reason="test"),
+    projection = ProjectionShape(int4=True, out_features=1536, in_features=576, group_size=32, w8a8=False, head=False)
+    plan = plan_kernels([projection], activations=ActivationChoice(dtype=torch.bfloat16, reason="test"),
                         cache_dir=tmp_path)  # type: ignore[arg-type]
+    model = torch.nn.Module()
+    model.proj = Int4Linear(quantize_int4(gaussian(1536, 576, 8)), plan=plan.linear(projection))
     (shape,) = plan.shapes.values()
     assert (model.proj.int8_dot is int8_dot) == shape.int8_dot
     assert plan.describe()["rows"]["Int4Linear 1536x576"]["weight_only"] == (
         "int8 dot (native)" if shape.int8_dot else "torch int4")
     # Where the int8-dot kernel took over, its tiles replace torch's packed copy (no extra memory), and
     # torch's kernel still runs, from a copy rebuilt from the codes, if asked for.
+    model.proj.weight_only(gaussian(1, 576, 9).to(torch.bfloat16))  # torch's copy is built at its kernel's first call
     assert (model.proj.packed.numel() == 0) == shape.int8_dot
     x = gaussian(3, 576, 9).to(torch.bfloat16)
     fresh = Int4Linear(quantize_int4(gaussian(1536, 576, 8)))

@@ -14,7 +14,9 @@ from torch import nn
 
 from decodeservice.engine.quant import Int4Linear, prompt_weights, quantize_int4
 from decodeservice.engine.quant.cpu import int8_gemm_is_exact
-from decodeservice.engine.quant.kernel_plan import ActivationChoice, plan_kernels, self_check
+from decodeservice.engine.quant.kernel_plan import ActivationChoice, KernelPlan, ProjectionShape, plan_kernels
+from decodeservice.engine.quant.linear import LinearPlan
+from decodeservice.engine.quant.self_check import self_check
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -22,9 +24,9 @@ def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def int8_module(dtype: torch.dtype) -> Int4Linear:
-    module = Int4Linear(quantize_int4(gaussian(96, 128, 0)), dtype=dtype)
-    module.set_row_plan(dense_from=None, w8a8_from=None)  # a plan whose prompt route is the weight-only kernel
-    module.pack_prompt_int8(True)
+    # a plan whose prompt route is the weight-only kernel, but for the int8 copy
+    module = Int4Linear(quantize_int4(gaussian(96, 128, 0)), dtype=dtype,
+                        plan=LinearPlan(dense_from=None, w8a8_from=None, prompt_copy="int8"))
     assert module.prompt_int8 is not None
     return module
 
@@ -42,9 +44,9 @@ def test_prompt_rows_on_the_int8_copy_compute_the_weights_and_their_own_bits_at_
     assert error < 0.03  # int8 rows and int8 weights: ~1% each on gaussian data
     for count in (1, 3, 17, 33):  # exact int32 sums and per-row scales: a row's result is its own
         assert torch.equal(module.prompt_path(x[-count:]), full[-count:])
-    assert self_check("layers.0.mlp.down_proj", module, dtype=dtype) == []
+    assert self_check("layers.0.mlp.down_proj", module, dtype=dtype) == ([], module.plan)
     assert module.prompt_int8 is not None
-    module.pack_prompt_int8(False)
+    module = module.with_plan(LinearPlan(dense_from=None, w8a8_from=None))
     assert torch.equal(module.prompt_path(x), module.weight_only_rows(x))  # dropped: back on the planned path
 
 
@@ -52,9 +54,9 @@ def test_a_wrong_int8_copy_is_refused_by_the_self_check() -> None:
     dtype = torch.bfloat16
     module = int8_module(dtype)
     module.prompt_int8 = prompt_weights.Int8Copy.of(module.dense_weight(torch.float32).flip(0).contiguous())
-    failed = self_check("layers.0.mlp.down_proj", module, dtype=dtype)
+    failed, checked = self_check("layers.0.mlp.down_proj", module, dtype=dtype)
     assert len(failed) == 1 and "int8 prompt copy off" in failed[0]
-    assert module.prompt_int8 is None
+    assert checked.prompt_copy == "none" and module.with_plan(checked).prompt_int8 is None
 
 
 def test_the_int8_race_wins_only_by_a_clear_margin() -> None:
@@ -73,18 +75,25 @@ def test_the_int8_race_wins_only_by_a_clear_margin() -> None:
     assert not tie
 
 
+def two_layers(w8a8: bool) -> list[ProjectionShape]:
+    return [ProjectionShape(int4=True, out_features=n, in_features=64, group_size=32, w8a8=w8a8, head=head)
+            for n, head in ((192, False), (320, True))]
+
+
 class TwoLayers(nn.Module):
-    def __init__(self, *, w8a8: bool) -> None:
+    def __init__(self, plan: KernelPlan, *, w8a8: bool) -> None:
         super().__init__()
-        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32, w8a8=w8a8)
-        self.lm_head = Int4Linear(quantize_int4(gaussian(320, 64, 6)), dtype=torch.float32, w8a8=w8a8)
+        a, head = two_layers(w8a8)
+        self.a = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32, w8a8=w8a8, plan=plan.linear(a))
+        self.lm_head = Int4Linear(quantize_int4(gaussian(320, 64, 6)), dtype=torch.float32, w8a8=w8a8,
+                                  plan=plan.linear(head))
 
 
 @pytest.mark.parametrize("w8a8", [False, True])
 def test_the_plan_races_the_int8_copy_only_under_w8a8_where_the_int8_gemm_is_exact(tmp_path: Path, w8a8: bool) -> None:
-    model = TwoLayers(w8a8=w8a8)
     activations = ActivationChoice(dtype=torch.float32, reason="test")  # small shapes, fp32: seconds
-    plan = plan_kernels(model, activations=activations, cache_dir=tmp_path)
+    plan = plan_kernels(two_layers(w8a8), activations=activations, cache_dir=tmp_path)
+    model = TwoLayers(plan, w8a8=w8a8)
     shape = plan.shapes["Int4Linear" + ("+w8a8" if w8a8 else "") + " 192x64"]
     raced = any(path.startswith("prompt_int8_") for path in shape.timings_ms)
     assert raced == (w8a8 and int8_gemm_is_exact())

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from decodeservice.engine.quant import Int4Linear, prompt_weights, quantize_int4
-from decodeservice.engine.quant.kernel_plan import self_check
+from decodeservice.engine.quant.linear import LinearPlan
+from decodeservice.engine.quant.self_check import self_check
 
 
 def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -19,9 +20,9 @@ def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
 def packed_module(dtype: torch.dtype) -> Int4Linear:
     if not prompt_weights.supported(dtype):
         pytest.skip(f"no oneDNN packed linear in {dtype} on this dispatch")
-    module = Int4Linear(quantize_int4(gaussian(96, 128, 0)), dtype=dtype)
-    module.set_row_plan(dense_from=None, w8a8_from=None)  # a plan whose prompt route is the weight-only kernel
-    module.pack_prompt_weight(dtype)
+    # a plan whose prompt route is the weight-only kernel, but for the packed copy
+    module = Int4Linear(quantize_int4(gaussian(96, 128, 0)), dtype=dtype,
+                        plan=LinearPlan(dense_from=None, w8a8_from=None, prompt_copy="packed"))
     assert module.prompt_weight is not None
     return module
 
@@ -35,7 +36,7 @@ def test_prompt_rows_on_the_copy_compute_the_weights_and_their_own_bits_at_any_c
     assert float((full.float() - reference).norm() / reference.norm()) < 0.02
     for count in (1, 3, 17, 33):  # a prefix hit leaves a tail of any length: its rows are the miss's
         assert torch.equal(module.prompt_path(x[-count:]), full[-count:])
-    assert self_check("layers.0.mlp.down_proj", module, dtype=dtype) == []
+    assert self_check("layers.0.mlp.down_proj", module, dtype=dtype) == ([], module.plan)
     assert module.prompt_weight is not None
 
 
@@ -44,8 +45,9 @@ def test_a_wrong_copy_is_refused_by_the_self_check(dtype: torch.dtype) -> None:
     module = packed_module(dtype)
     wrong = module.dense_weight(dtype).flip(0).contiguous()  # the rows of other output channels
     module.prompt_weight = torch.ops.mkldnn._reorder_linear_weight(wrong, None)
-    failed = self_check("layers.0.mlp.down_proj", module, dtype=dtype)
+    failed, checked = self_check("layers.0.mlp.down_proj", module, dtype=dtype)
     assert len(failed) == 1 and "packed prompt copy off" in failed[0]
+    module = module.with_plan(checked)
     assert module.prompt_weight is None
     x = gaussian(8, 128, 2).to(dtype)
     assert torch.equal(module.prompt_path(x), module.weight_only_rows(x))  # back on the planned path
