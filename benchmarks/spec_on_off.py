@@ -71,6 +71,9 @@ class CellRun:
     plain_tokens: int
     drafting_ms: float
     drafting_tokens: int
+    # Sequences in the engine summed over steps: over decode_steps, the mean batch. Where requests come
+    # together and nothing waits, drafting streams finish first and leave the rest smaller batches.
+    stream_steps: int
 
 
 def conversations(workload: str) -> list[list[dict[str, str]]]:
@@ -93,7 +96,7 @@ def run_cell(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: i
     pending = list(enumerate(prompts))
     in_flight: dict[str, int] = {}
     done: dict[int, Any] = {}
-    steps = drafting = 0
+    steps = drafting = stream_steps = 0
     plain_ms = drafting_ms = 0.0
     plain_tokens = drafting_tokens = 0
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -101,6 +104,7 @@ def run_cell(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: i
         while pending and len(in_flight) < concurrency:
             index, prompt = pending.pop(0)
             in_flight[engine.add_request(prompt, params)] = index
+        stream_steps += len(engine.scheduler.running) + len(engine.scheduler.waiting)
         spec_before = engine.spec.stats() if engine.spec is not None else None
         step_start = time.perf_counter()
         outs = engine.step()
@@ -127,7 +131,7 @@ def run_cell(engine: Any, prompts: list[str], *, concurrency: int, max_tokens: i
                   draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
                   accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
                   plain_steps=steps - drafting, plain_ms=round(plain_ms, 2), plain_tokens=plain_tokens,
-                  drafting_ms=round(drafting_ms, 2), drafting_tokens=drafting_tokens)
+                  drafting_ms=round(drafting_ms, 2), drafting_tokens=drafting_tokens, stream_steps=stream_steps)
     return run, [done[i].token_ids for i in sorted(done)]
 
 
@@ -197,6 +201,8 @@ def summarize(cells: dict[str, dict[str, Any]], counters: dict[str, list[dict[st
                                              sum(row["off"]["wall_s"] for row in rows)), 3)
         cell["same_tokens_every_round"] = all(row["same_tokens"] for row in rows)
         cell["acceptance"] = round(sum(x["accepted_tokens"] for x in ons) / drafted, 3) if drafted else None
+        cell["mean_batch"] = {side: round(sum(row[side]["stream_steps"] for row in rows) /
+                                          sum(row[side]["decode_steps"] for row in rows), 2) for side in ("on", "off")}
         cell["drafting_step_share"] = round(sum(x["drafting_steps"] for x in ons) / sum(x["decode_steps"] for x in ons), 3)
         cell["breakdown"] = breakdown(rows, counters[name], believed_plain_ms=float(curve.row_ms(cell["concurrency"], 0)[0]))
         lo, hi = cell["output_ratio"]["min"], cell["output_ratio"]["max"]

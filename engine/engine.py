@@ -213,7 +213,7 @@ class Engine:
         if self.spec is not None:
             # Penalties and min_tokens change each row by the tokens before it: such requests decode plainly.
             self.spec.propose([s for s in self.scheduler.running if not s.params.processes_logits],
-                              batch_size=len(self.scheduler.running))
+                              batch_size=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []

@@ -51,6 +51,7 @@ from decodeservice.engine.spec_decode.policy import (
     least_paying_acceptance,
     plan_drafts,
     request_prior,
+    tail_values,
     verify_cost_units,
 )
 from decodeservice.engine.spec_decode.proposers import (
@@ -158,7 +159,8 @@ class SpeculativeDecoder:
         return tuple(b for b in sizes if b < self.config.disable_batch_size)
 
     # -- drafting ----------------------------------------------------------------------------------
-    def propose(self, running: list[Sequence], *, batch_size: int) -> None:
+    def propose(self, running: list[Sequence], *, batch_size: int, waiting: int = 0) -> None:
+        """`waiting`: requests queued for a slot (0: the batch's wall time is its longest stream's)."""
         start = time.perf_counter()
         live = {seq.request_id for seq in running}
         for request_id in [r for r in self._tracked if r not in live]:
@@ -172,14 +174,14 @@ class SpeculativeDecoder:
             return
         self.counters.steps += 1
         if batch_size < self.config.disable_batch_size:
-            self._draft(decoding, batch_size=max(batch_size, len(decoding)))
+            self._draft(decoding, batch_size=max(batch_size, len(decoding)), waiting=waiting)
         self.counters.propose_ms += (time.perf_counter() - start) * 1000
 
-    def _draft(self, decoding: list[Sequence], *, batch_size: int) -> None:
+    def _draft(self, decoding: list[Sequence], *, batch_size: int, waiting: int) -> None:
         # k + 1 tokens may come out: stay within max_tokens and the position table.
         caps = [max(min(self.config.num_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                         self.max_positions - seq.num_tokens - 1), 0) for seq in decoding]
-        lengths = self._draft_lengths(decoding, caps, batch_size)
+        lengths = self._draft_lengths(decoding, caps, batch_size, waiting=waiting)
         requests = [DraftRequest(seq=seq, num_tokens=k) for seq, k in zip(decoding, lengths, strict=True) if k >= 1]
         if not requests:
             return
@@ -194,7 +196,7 @@ class SpeculativeDecoder:
                 self._probs[req.seq.request_id] = draft.probs
         self.propose_ms = _decayed(self.propose_ms, (time.perf_counter() - start) * 1000 / len(requests))
 
-    def _draft_lengths(self, decoding: list[Sequence], caps: list[int], batch_size: int) -> list[int]:
+    def _draft_lengths(self, decoding: list[Sequence], caps: list[int], batch_size: int, *, waiting: int) -> list[int]:
         """This step's draft length per decoding sequence: the plan (policy.py) over the requests whose
         acceptance clears the bar (MIN_GAIN to start drafting, break-even to go on); the others are
         watched (evidence.py): a shadow draft after 1, 2, 4, .. MAX_COOLDOWN steps for a proposer free to
@@ -240,9 +242,17 @@ class SpeculativeDecoder:
             self._shadow(shadows)
         if not any(eligible):
             return eligible
-        acceptances = [state.acceptance for state in states] + [0.0] * (batch_size - len(decoding))
-        plan = plan_drafts(acceptances, eligible + [0] * (batch_size - len(decoding)), curve=self.curve,
-                           overhead_ms=overhead, min_gain=0.0, cost_scale=scale)
+        others = batch_size - len(decoding)  # in prefill, or decoding plainly: they cannot draft
+        acceptances = [state.acceptance for state in states] + [0.0] * others
+        values = None
+        if not waiting and batch_size > 1:
+            # The batch lasts as long as its longest stream; one still in its prompt is the longest.
+            remaining = [seq.params.max_tokens - len(seq.output_token_ids) for seq in decoding]
+            remaining += [max(remaining) + 1] * others
+            tail = tail_values(acceptances, remaining, [e > 0 for e in eligible] + [False] * others, curve=self.curve)
+            acceptances, values = list(tail.acceptances), tail.token_values
+        plan = plan_drafts(acceptances, eligible + [0] * others, curve=self.curve,
+                           overhead_ms=overhead, min_gain=0.0, cost_scale=scale, token_values=values)
         lengths = list(plan.draft_lengths[: len(decoding)])
         for i, state in enumerate(states):
             if i in probes:

@@ -29,6 +29,7 @@ What the plan is handed is measured, and shrunk where the measurement is thin:
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +73,10 @@ class StepCostCurve:
         return cls(batch_sizes=(1, 2), extra_rows=((0, 1), (0, 1)), step_ms=((1.0, 1.0 + c), (1.0 + c, 1.0 + 2 * c)))
 
     def row_ms(self, batch_size: int, max_extra: int) -> np.ndarray:
-        """T(batch_size, n) for n = 0 .. max_extra, floored at T(batch_size, 0). (max_extra + 1,)"""
+        """T(batch_size, n) for n = 0 .. max_extra, floored at T(batch_size, 0). (max_extra + 1,), read-only"""
+        return _row_ms(self, batch_size, max_extra)
+
+    def _row_ms(self, batch_size: int, max_extra: int) -> np.ndarray:
         n = np.arange(max_extra + 1, dtype=np.float64)
         i = min(max(bisect.bisect_right(self.batch_sizes, batch_size) - 1, 0), len(self.batch_sizes) - 2)
         lo, hi = self.batch_sizes[i], self.batch_sizes[i + 1]
@@ -80,6 +84,7 @@ class StepCostCurve:
         times = at_lo + (at_hi - at_lo) * (batch_size - lo) / (hi - lo)
         floor = max(float(times[0]), 1e-9)
         floored: np.ndarray = np.maximum(times, floor)
+        floored.setflags(write=False)
         return floored
 
     def _along_rows(self, i: int, n: np.ndarray) -> np.ndarray:
@@ -110,12 +115,15 @@ class DraftPlan:
 
 
 def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curve: StepCostCurve,
-                overhead_ms: float = 0.0, min_gain: float = MIN_GAIN, cost_scale: float = 1.0) -> DraftPlan:
+                overhead_ms: float = 0.0, min_gain: float = MIN_GAIN, cost_scale: float = 1.0,
+                token_values: Sequence[float] | None = None) -> DraftPlan:
     """The draft length per stream that maximises expected tokens per ms in a step of these streams.
 
     acceptances[i]: stream i's chance that each draft lands given the ones before it did; max_drafts[i]:
     the most it may draft (0: it cannot draft this step, but still decodes); cost_scale: what drafting
-    steps took over what the curve and overhead predicted at this batch size (1: as predicted)."""
+    steps took over what the curve and overhead predicted at this batch size (1: as predicted);
+    token_values[i]: what an accepted draft of stream i is worth against a token of plain decoding (1 if
+    not given; `tail_values` when no request waits)."""
     batch = len(acceptances)
     if batch == 0:
         return DraftPlan(draft_lengths=(), expected_speedup=1.0)
@@ -127,6 +135,8 @@ def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curv
     starts = np.concatenate(([0], np.cumsum([max(m, 0) for m in max_drafts])[:-1]))
     position = np.arange(owner.size) - starts[owner] + 1
     gain = np.asarray(acceptances, dtype=np.float64).clip(0.0, 1.0)[owner] ** position
+    if token_values is not None:
+        gain = gain * np.asarray(token_values, dtype=np.float64)[owner]
     order = np.argsort(-gain, kind="stable")
     tokens = batch + np.cumsum(gain[order])  # (n,) expected tokens with the first n candidates
     streams = np.cumsum(position[order] == 1)  # streams drafting among them
@@ -139,6 +149,44 @@ def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curv
         return DraftPlan(draft_lengths=(0,) * batch, expected_speedup=1.0)
     lengths = np.bincount(owner[order[: best + 1]], minlength=batch)
     return DraftPlan(draft_lengths=tuple(int(k) for k in lengths), expected_speedup=speedup)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TailValues:
+    """The plan's inputs for a batch that nothing waits to join: acceptances and token values per stream."""
+
+    acceptances: tuple[float, ...]
+    token_values: tuple[float, ...]
+
+
+def tail_values(acceptances: Sequence[float], remaining: Sequence[int], can_draft: Sequence[bool], *,
+                curve: StepCostCurve) -> TailValues:
+    """What accepted drafts are worth when no request waits for a slot: the batch's wall time is then its
+    longest stream's, and a stream that finishes sooner frees a slot nobody takes.
+
+    A stream behind the longest (fewer tokens `remaining`) that gains a token leaves the batch a step
+    sooner: that saves the others its row in each later step, T(B) - T(B-1), not its share T(B) / B of
+    the step (at 4 streams on a CPU a row is a fifth of the share or less), so its drafts are worth that
+    ratio of a token. The longest streams (all of them, where the requests came together) end the batch
+    sooner only if every one of them gains: their drafts are worth a full token, at the least acceptance
+    among them, where all of them may draft; where one of them cannot, none of theirs shortens the batch
+    and they count as the others do. One stream: its own wall time, unchanged."""
+    batch = len(acceptances)
+    if batch <= 1:
+        return TailValues(acceptances=tuple(acceptances), token_values=(1.0,) * batch)
+    plain = float(curve.row_ms(batch, 0)[0])
+    row = max(plain - float(curve.row_ms(batch - 1, 0)[0]), 0.0)
+    behind = min(row * batch / plain, 1.0)
+    longest = max(remaining)
+    critical = [r >= longest for r in remaining]
+    values = [behind] * batch
+    out = list(acceptances)
+    if all(ok for ok, c in zip(can_draft, critical, strict=True) if c):
+        least = min(a for a, c in zip(acceptances, critical, strict=True) if c)
+        for i, c in enumerate(critical):
+            if c:
+                values[i], out[i] = 1.0, least
+    return TailValues(acceptances=tuple(out), token_values=tuple(values))
 
 
 def least_paying_acceptance(batch_size: int, *, curve: StepCostCurve, overhead_ms: float = 0.0,
@@ -211,11 +259,21 @@ def realized_gain(tokens: float, cost_units: float) -> float:
     return tokens / cost_units if cost_units > 0 else 1.0
 
 
+# The plan asks the curve the same few questions every step (one batch size, up to its rows): answered
+# once each. A curve is frozen and hashable, so the answers are keyed by it and cannot go stale.
+@functools.lru_cache(maxsize=1024)
+def _row_ms(curve: StepCostCurve, batch_size: int, max_extra: int) -> np.ndarray:
+    return curve._row_ms(batch_size, max_extra)
+
+
+@functools.lru_cache(maxsize=1024)
 def _floored(curve: StepCostCurve, batch_size: int, max_extra: int) -> np.ndarray:
-    """The curve's T(batch_size, n), each extra row at least MIN_ROW_COST of the one-stream plain step."""
+    """The curve's T(batch_size, n), each extra row at least MIN_ROW_COST of the one-stream plain step.
+    Read-only: it is shared between calls."""
     times = curve.row_ms(batch_size, max_extra)
     least: np.ndarray = times[0] + MIN_ROW_COST * float(curve.row_ms(1, 0)[0]) * np.arange(max_extra + 1)
     floored: np.ndarray = np.maximum(times, least)
+    floored.setflags(write=False)
     return floored
 
 
