@@ -134,9 +134,8 @@ def plan_drafts(acceptances: Sequence[float], max_drafts: Sequence[int], *, curv
     # stream's rows in order among equal gains (acceptance 1).
     starts = np.concatenate(([0], np.cumsum([max(m, 0) for m in max_drafts])[:-1]))
     position = np.arange(owner.size) - starts[owner] + 1
-    gain = np.asarray(acceptances, dtype=np.float64).clip(0.0, 1.0)[owner] ** position
-    if token_values is not None:
-        gain = gain * np.asarray(token_values, dtype=np.float64)[owner]
+    values = np.ones(batch) if token_values is None else np.asarray(token_values, dtype=np.float64)
+    gain: np.ndarray = values[owner] * np.asarray(acceptances, dtype=np.float64).clip(0.0, 1.0)[owner] ** position
     order = np.argsort(-gain, kind="stable")
     tokens = batch + np.cumsum(gain[order])  # (n,) expected tokens with the first n candidates
     streams = np.cumsum(position[order] == 1)  # streams drafting among them
