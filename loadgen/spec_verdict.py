@@ -90,7 +90,8 @@ class SpecActivity:
             return ("no request drafted: the drafts found nothing to propose, or none was expected to pay (a "
                     "request drafts once its own checked drafts, shadow drafts included, say it pays)")
         needs = (f"; a draft pays here from {need:.0%} at {c} streams (measured at start-up, corrected by what the "
-                 f"engine's steps took)") if need is not None else ""
+                 f"engine's steps took, while requests wait for a slot; with none waiting, only where it shortens the "
+                 f"batch)") if need is not None else ""
         return f"drafts landed {rate:.0%}{needs}: speculation drafted where it paid and backed off elsewhere; {share}"
 
 
