@@ -4,8 +4,8 @@
         [--tokens 490] [--decode-keys 2600] [--out FILE]
 
 Kernels compared, taking turns round by round (the order rotates) so that the machine's load hits each
-alike: `before`, paged_decode.cpp and its header as of git revision REV (default HEAD~1... any revision
-whose kernel takes no tile_rows argument), built beside this tree's into the kernel cache; `rows`, this
+alike: `before`, paged_decode.cpp and its headers as of git revision REV (a revision whose kernel takes no
+tile_rows argument), built beside this tree's into the kernel cache; `rows`, this
 tree's kernel a row at a time (tile_rows=1); `tiled`, this tree's kernel as the engine calls it.
 Workloads, the bundled model's attention shape (9 query heads, 3 K/V heads, D 64, bf16 pools, blocks of 16
 scattered over the pool, one pool per layer): `prompt`, the kernel rows of a --tokens prefill (row i sees
@@ -38,17 +38,21 @@ sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script'
 from json_out import emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-FILES = ("engine/attention/paged_decode.cpp", "engine/attention/paged_decode_vectors.h")
+FILES = ("engine/attention/paged_decode.cpp", "engine/attention/paged_decode_vectors.h",
+         "engine/attention/paged_decode_int8_rows.h")
 
 
 def build_before(rev: str, folder: Path) -> ModuleType:
-    """The kernel as of `rev`, built from its two files."""
+    """The kernel as of `rev`, built from its files (those it had)."""
     root = Path(__file__).resolve().parent.parent
+    headers = []
     for name in FILES:
-        text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, check=True, capture_output=True).stdout
-        (folder / Path(name).name).write_bytes(text)
-    module = build_extension(folder / "paged_decode.cpp", what=f"paged decode attention at {rev}", check=lambda m: True,
-                             headers=(folder / "paged_decode_vectors.h",))
+        shown = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, capture_output=True)
+        if shown.returncode == 0:
+            (folder / Path(name).name).write_bytes(shown.stdout)
+            headers.append(folder / Path(name).name)
+    module = build_extension(headers[0], what=f"paged decode attention at {rev}", check=lambda m: True,
+                             headers=headers[1:])
     if module is None:
         raise SystemExit(f"the kernel at {rev} did not build")
     return module
@@ -71,7 +75,7 @@ def workload(rows: int, first_len: int, gen: torch.Generator) -> list[tuple[torc
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--before", default="HEAD~1")
+    parser.add_argument("--before", default="d201a72", help="the revision before the tiles")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--tokens", type=int, default=490)

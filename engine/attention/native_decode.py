@@ -1,6 +1,8 @@
 """The step's decodes and verifies in one native call per layer, read in place from the pool (paged_decode.cpp).
 
-A verify's tokens are rows of their own: token i is a decode over the span's first L - Q + i + 1 keys.
+A verify's tokens are rows of their own: token i is a decode over the span's first L - Q + i + 1 keys; so
+are a prompt chunk's. The kernel computes a span's consecutive rows as tiles that read each K/V row once,
+each row's result bit for bit the one it gets alone (tests/engine/attention/test_native_tiles.py).
 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py). A build that
 fails or a kernel that disagrees with a float64 reference is logged and left out: the torch paths of
@@ -22,20 +24,19 @@ from decodeservice.engine.attention.metadata import SequenceSpan
 from decodeservice.engine.cpp_extensions import build_extension
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
-HEADERS = (Path(__file__).with_name("paged_decode_vectors.h"),)
+HEADERS = (Path(__file__).with_name("paged_decode_vectors.h"), Path(__file__).with_name("paged_decode_int8_rows.h"))
 DTYPES = (torch.float32, torch.bfloat16)
 # Keys per work item: every row's keys split at the multiples of CHUNK, whatever its length and the thread
 # count, so that a row's result is the same alone, in a batch or in a tile of its prompt. Small enough
 # that the items of one long decode deal out evenly over the threads, and a piece's scores (H x CHUNK
 # fp32 per row) stay in L1/L2 (benchmarks/prompt_attention.py measures decode and prompt rows).
-CHUNK = 128
+CHUNK = 256
 # Consecutive rows of one sequence (a prompt chunk, a verify) read each K/V row once for up to this many
 # rows: a prompt's rows otherwise each stream their keys anew (benchmarks/prompt_attention.py).
 TILE_ROWS = 16
 # Spans of up to this many new tokens take the kernel, a row per token (build_decode_group): a verify of
-# up to 8 drafts. A row per token costs more as the span grows, and from 16 tokens the torch paths'
-# one call for the span caught up, so longer spans (prompt chunks) stay on them (a per-layer A/B whose
-# figures are in this comment's git history; benchmarks/spec_decode.py measures the verify cost it gives).
+# up to 8 drafts (benchmarks/spec_decode.py measures the verify cost it gives). Prompt spans take it
+# whatever their length where the backend asks (`prompts`), their rows computed in tiles.
 MAX_NEW = 9
 
 

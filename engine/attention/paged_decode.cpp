@@ -6,9 +6,12 @@
 // read in place through its block table, each K/V row once for all of its G query heads, in one call
 // per layer for the whole step, parallel over (sequence, chunk of keys).
 //
-// Per work item (a sequence and a chunk of at most `chunk` keys): the scores of every query head over
-// the chunk (fp32, pre-scaled query), the chunk's max and exp, then the value rows weighted; a
-// sequence split into several chunks is merged by its chunks' log-sum-exp (flash-decoding). The
+// Per work item (a tile of rows and a piece of at most `chunk` keys): the scores of every query head over
+// the piece (fp32, pre-scaled query), the piece's max and exp, then the value rows weighted; a row
+// split into several pieces is merged by its pieces' log-sum-exp (flash-decoding). A tile is the
+// consecutive rows of one sequence (a prompt chunk's or a verify's tokens), each K/V row read once for
+// all of them, each row's result bit for bit the one it gets alone (a prefix hit, a chunk boundary, a
+// decode of the same position and deterministic mode all compute one function). The
 // softmax and every sum are fp32 whatever the cache holds (fp32, bf16, or int8 rows that carry their own
 // fp32 scale: paged_decode_int8).
 // One source for AVX2 and AVX-512: the vector type follows the ISA flags of engine/cpp_extensions.py.
@@ -120,28 +123,26 @@ template <int64_t kKeys, int64_t kChunks, typename T>
 inline void add_values(const float* scores, const T* v_pool, const std::vector<int64_t>& offsets, int64_t t,
                        int64_t stride, int64_t hkv, int64_t groups, int64_t rows, float* acc) {
   constexpr int64_t d = kChunks * kLanes, row_size = d + kRowExtra<T>;
+  // Vectors of a V row per broadcast weight: four where the registers hold them (AVX-512), else two (one
+  // bf16 load splits into two). Each output element's chain of fmadds is the same either way.
+  constexpr int64_t kVecs = (kLanes == 16 && kChunks >= 4) ? 4 : 2;
   const int64_t h = hkv * groups;
   for (int64_t j = 0; j < hkv; ++j) {
-    for (int64_t c = 0; c < kChunks; c += 2) {  // two vectors at a time: one bf16 load splits into two
-      Vec v[kKeys][2];
-      for (int64_t i = 0; i < kKeys; ++i) {
-        Vec row[kChunks];
-        load_row<2>(v_pool + offsets[static_cast<size_t>(t + i)] + j * row_size + c * kLanes, row);
-        v[i][0] = row[0];
-        v[i][1] = row[1];
-      }
+    for (int64_t c = 0; c < kChunks; c += kVecs) {
+      Vec v[kKeys][kVecs];
+      for (int64_t i = 0; i < kKeys; ++i)
+        load_row<kVecs>(v_pool + offsets[static_cast<size_t>(t + i)] + j * row_size + c * kLanes, v[i]);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t head = r * h + j * groups + g;
           float* out = acc + head * d + c * kLanes;
-          Vec lo = load(out), hi = load(out + kLanes);
+          Vec o[kVecs];
+          for (int64_t u = 0; u < kVecs; ++u) o[u] = load(out + u * kLanes);
           for (int64_t i = 0; i < kKeys; ++i) {
             const Vec weight = broadcast(scores[head * stride + t + i]);
-            lo = fmadd(weight, v[i][0], lo);
-            hi = fmadd(weight, v[i][1], hi);
+            for (int64_t u = 0; u < kVecs; ++u) o[u] = fmadd(weight, v[i][u], o[u]);
           }
-          store(out, lo);
-          store(out + kLanes, hi);
+          for (int64_t u = 0; u < kVecs; ++u) store(out + u * kLanes, o[u]);
         }
     }
   }
@@ -164,6 +165,7 @@ void attend_tile(const float* queries /* (R, H, D), scaled, stored order */, con
   const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;  // a head's row of scores
   scores.resize(static_cast<size_t>(rows * h * stride));
   const int64_t slot = hkv * (d + kRowExtra<T>);
+  for (int64_t i = 0; i < std::min(n, kPrefetchKeys); ++i) prefetch_slot(k_pool + offsets[static_cast<size_t>(i)], slot);
   for (int64_t t = 0; t < n; t += kKeys) {
     for (int64_t i = t; i < t + kKeys; ++i) {
       if (i + kPrefetchKeys < n) prefetch_slot(k_pool + offsets[static_cast<size_t>(i + kPrefetchKeys)], slot);
@@ -281,16 +283,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t chunks = d / kLanes;
   std::vector<int64_t> order(static_cast<size_t>(d));  // element e's place in stored order
   for (int64_t e = 0; e < d; ++e) order[static_cast<size_t>(e)] = stored_index<T>(e);
-  std::vector<float> queries(static_cast<size_t>(b * h * d));  // scaled, stored order
-  at::parallel_for(0, b * h, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row)
-      for (int64_t e = 0; e < d; ++e)
-        queries[static_cast<size_t>(row * d + order[static_cast<size_t>(e)])] =
-            static_cast<float>(q_data[row * d + e]) * static_cast<float>(scale);
-  });
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, queries;  // the tile's queries: scaled, stored order (one parallel region less)
     std::vector<int64_t> offsets, row_keys;
+    int64_t converted = -1;  // the tile whose queries are in `queries`
     for (int64_t i = deal[static_cast<size_t>(begin)]; i < deal[static_cast<size_t>(end)]; ++i) {
       const Item& item = items[static_cast<size_t>(i)];
       const Tile& tile = tiles[static_cast<size_t>(item.tile)];
@@ -299,7 +295,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         row_keys[static_cast<size_t>(r)] = std::clamp<int64_t>(lens[tile.first_row + r] - item.first_key, 0, item.num_keys);
       slot_offsets(table_data + tile.first_row * max_blocks, block_size, hkv * (d + kRowExtra<T>), item.first_key,
                    item.num_keys, 4, offsets);
-      const float* qs = queries.data() + tile.first_row * h * d;
+      if (converted != item.tile) {
+        queries.resize(static_cast<size_t>(tile.rows * h * d));
+        const TQ* q_rows = q_data + tile.first_row * h * d;
+        for (int64_t row = 0; row < tile.rows * h; ++row)
+          for (int64_t e = 0; e < d; ++e)
+            queries[static_cast<size_t>(row * d + order[static_cast<size_t>(e)])] =
+                static_cast<float>(q_rows[row * d + e]) * static_cast<float>(scale);
+        converted = item.tile;
+      }
+      const float* qs = queries.data();
       float *m = maxes.data() + item.result * h, *l = sums.data() + item.result * h, *acc = accs.data() + item.result * h * d;
 #define DECODESERVICE_ATTEND(K) \
   attend_tile<K>(qs, k_pool, v_pool, offsets, item.num_keys, tile.rows, row_keys.data(), hkv, groups, m, l, acc, scores)
@@ -389,53 +394,7 @@ void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_pool, const at::
   }
 }
 
-// Writes rows (N, Hkv, D), fp32 or bf16, into the int8 pool (NB, BS, Hkv, D + 4) at slots (N,) int64, as
-// kv_int8.pack_rows does (symmetric over each row's absmax, round half to even, the same fp32 ops), and
-// their dequantized values into out (rows' shape and dtype). One call per layer for K and one for V: the
-// dozen torch ops it replaces cost ~50 us a layer and K/V at one token a step, ~3 ms of a 10 ms step.
-template <typename T>
-void write_rows(const at::Tensor& rows, at::Tensor& pool, const at::Tensor& slots, at::Tensor& out) {
-  const int64_t n = rows.size(0), hkv = rows.size(1), d = rows.size(2), row = d + kRowExtra<int8_t>;
-  const T* src = rows.data_ptr<T>();
-  T* dequantized = out.data_ptr<T>();
-  int8_t* base = pool.data_ptr<int8_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  at::parallel_for(0, n * hkv, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* x = src + r * d;
-      float absmax = 0.0f;
-      for (int64_t j = 0; j < d; ++j) absmax = std::max(absmax, std::fabs(static_cast<float>(x[j])));
-      const float scale = absmax / 127.0f;
-      const float divisor = std::max(scale, std::numeric_limits<float>::min());
-      int8_t* codes = base + (slot[r / hkv] * hkv + r % hkv) * row;
-      for (int64_t j = 0; j < d; ++j) {
-        const float code = std::min(127.0f, std::max(-127.0f, std::nearbyint(static_cast<float>(x[j]) / divisor)));
-        codes[j] = static_cast<int8_t>(code);
-        dequantized[r * d + j] = static_cast<T>(code * scale);
-      }
-      std::memcpy(codes + d, &scale, sizeof scale);
-    }
-  });
-}
-
-void write_int8_rows(const at::Tensor& rows, at::Tensor& pool, const at::Tensor& slots, at::Tensor& out) {
-  TORCH_CHECK(rows.dim() == 3 && pool.dim() == 4 && pool.size(2) == rows.size(1) &&
-              pool.size(3) == rows.size(2) + kRowExtra<int8_t>, "rows (N, Hkv, D), pool (NB, BS, Hkv, D + 4)");
-  TORCH_CHECK(rows.is_contiguous() && pool.is_contiguous() && out.is_contiguous() && out.sizes() == rows.sizes() &&
-              out.scalar_type() == rows.scalar_type(), "contiguous tensors, out shaped and typed as rows");
-  TORCH_CHECK(pool.scalar_type() == at::kChar && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
-              slots.size(0) == rows.size(0) && slots.is_contiguous(), "an int8 pool and (N,) int64 slots");
-  const int64_t num_slots = pool.size(0) * pool.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.size(0); ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "slot out of the pool");
-  if (rows.scalar_type() == at::kFloat) {
-    write_rows<float>(rows, pool, slots, out);
-  } else if (rows.scalar_type() == at::kBFloat16) {
-    write_rows<c10::BFloat16>(rows, pool, slots, out);
-  } else {
-    TORCH_CHECK(false, "fp32 or bf16 rows only");
-  }
-}
+#include "paged_decode_int8_rows.h"  // NOLINT: needs kRowExtra above
 
 }  // namespace
 
