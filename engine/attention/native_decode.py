@@ -5,8 +5,8 @@ are a prompt chunk's. The kernel computes a span's consecutive rows as tiles tha
 each row's result bit for bit the one it gets alone (tests/engine/attention/test_native_tiles.py).
 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py). A build that
-fails or a kernel that disagrees with a float64 reference is logged and left out: the torch paths of
-paged_views.py run. Whether it runs at all is measured at start-up (context_plan.py), per machine.
+fails or a kernel that disagrees with a float64 reference is logged and left out: the CPU backend's plain
+path (gather.py's SDPA) runs instead (engine/plan/planner.py decides, paged_views.py dispatches).
 """
 
 from __future__ import annotations
