@@ -6,16 +6,13 @@ and range, and the load average.
 
     .venv/bin/python -P benchmarks/kernel_plan_startup.py --base REV [--rounds 3] [--dispatches native,avx2] --out FILE
 
-The base is imported as plan_before_after.py does it (`git archive REV engine` first on PYTHONPATH).
+The base is exported as base_revision.py does it (`git archive REV engine` first on PYTHONPATH).
 Ratios below 1 are the tree faster.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,11 +21,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dispatches import AVX2_CAPS
+from base_revision import ROOT, export, load_average, parser, ratio_summary, side_env
 from json_out import emit
-from plan_before_after import export, load_average
 
-ROOT = Path(__file__).resolve().parents[1]
 # Run in each child: both revisions share load_model, resolve_model_path and build_model's signature.
 CHILD = """
 import json, sys, time
@@ -50,9 +45,7 @@ print(json.dumps({"build_s": seconds, "plan_s": plan.seconds, "source_cached": p
 
 
 def run_side(pythonpath: Path | None, dispatch: str, cache: Path) -> dict[str, Any]:
-    env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {}), "DECODESERVICE_KERNEL_CACHE": str(cache)}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    env = side_env(pythonpath, dispatch, DECODESERVICE_KERNEL_CACHE=str(cache))
     load = load_average()
     out = subprocess.run([sys.executable, "-P", "-c", CHILD], env=env, cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout
@@ -60,12 +53,7 @@ def run_side(pythonpath: Path | None, dispatch: str, cache: Path) -> dict[str, A
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--base", required=True, help="git revision of the engine to compare against")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dispatches", default="native,avx2")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     started = time.perf_counter()
     result: dict[str, Any] = {"base": args.base, "rounds": args.rounds, "load_average_start": load_average(),
                               "dispatches": {}}
@@ -79,9 +67,7 @@ def main() -> int:
                 sides = {name: run_side(path, dispatch, Path(tmp) / f"cache-{name}") for name, path in order}
                 rounds.append({**sides, "build_ratio": sides["after"]["build_s"] / sides["before"]["build_s"],
                                "plan_ratio": sides["after"]["plan_s"] / sides["before"]["plan_s"]})
-            summary = {key: {"median": round(statistics.median(r[key] for r in rounds), 3),
-                             "min": round(min(r[key] for r in rounds), 3), "max": round(max(r[key] for r in rounds), 3)}
-                       for key in ("build_ratio", "plan_ratio")}
+            summary = {key: ratio_summary(r[key] for r in rounds) for key in ("build_ratio", "plan_ratio")}
             result["dispatches"][dispatch] = {"rounds": rounds, "after_over_before": summary}
     result["load_average_end"] = load_average()
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -4,17 +4,13 @@ JSON out, with each round's after/before ratio, their median and range, and the 
 
     .venv/bin/python -P benchmarks/plan_before_after.py --base REV [--rounds 3] [--dispatches native,avx2] --out FILE
 
-The base is `git archive REV engine`, imported in its children in place of the editable install (its
-`decodeservice.engine` comes first on PYTHONPATH); both sides run this tree's decode_step.py, whose calls
+The base is exported as base_revision.py does it; both sides run this tree's decode_step.py, whose calls
 (Engine.from_pretrained, runner.execute, step) both revisions share. Ratios below 1 are the tree faster.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dispatches import AVX2_CAPS
+from base_revision import ROOT, export, load_average, parser, ratio_summary, side_env
 
-ROOT = Path(__file__).resolve().parents[1]
 # (name, path into decode_step.py's JSON): milliseconds, lower is better
 FIGURES = {
     "step_ms_1_stream": ("profile", "2_threads", "batch_1", "wall_ms_per_step"),
@@ -35,23 +30,8 @@ FIGURES = {
 }
 
 
-def load_average() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
-def export(rev: str, into: Path) -> Path:
-    """`rev`'s engine/ as `into`/decodeservice/engine."""
-    target = into / "decodeservice"
-    target.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", rev, "engine"], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return into
-
-
 def run_side(pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, Any]:
-    env = {**os.environ, **(AVX2_CAPS if dispatch == "avx2" else {})}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    env = side_env(pythonpath, dispatch)
     started, load = time.perf_counter(), load_average()
     subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "decode_step.py"), "--threads", "2", "--out",
                     str(out)], env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -67,12 +47,7 @@ def run_side(pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, Any
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--base", required=True, help="git revision of the engine to compare against")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dispatches", default="native,avx2")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     report: dict[str, Any] = {"base": args.base, "tree_head": head.strip(), "rounds": args.rounds,
                               "cpu": next((line.split(":", 1)[1].strip() for line in
@@ -94,8 +69,7 @@ def main() -> int:
                       for name in FIGURES}
             report["by_dispatch"][dispatch] = {
                 "rounds": rounds,
-                "after_over_before": {name: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
-                                             "max": round(max(v), 3)} for name, v in ratios.items()}}
+                "after_over_before": {name: ratio_summary(v) for name, v in ratios.items()}}
             args.out.write_text(json.dumps(report, indent=1) + "\n")  # partial results survive a cut run
     print(json.dumps({d: v["after_over_before"] for d, v in report["by_dispatch"].items()}, indent=1))
     return 0
