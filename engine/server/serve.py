@@ -12,8 +12,9 @@ import uvicorn
 
 from decodeservice.common.server import DrainingServer
 from decodeservice.engine.engine import Engine
-from decodeservice.engine.server.app import ServerState, build_app
+from decodeservice.engine.server.app import build_app
 from decodeservice.engine.server.settings import ServerSettings
+from decodeservice.engine.server.state import ServerState
 
 # After the drain (or its grace period), connections still open get this long before being cut.
 SHUTDOWN_GRACE_S = 2

@@ -1,0 +1,160 @@
+"""The lanes of benchmarks/served_vs_peers.py: a server over HTTP, or the engine in a child process
+(`python -P served_lanes.py`, fed batches of messages on stdin), each timed by the same clocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from decodeservice.loadgen.client import BenchRequest, send
+from decodeservice.loadgen.metrics import RequestRecord
+from decodeservice.loadgen.procs import ChildServer
+
+MODEL = "smollm2-135m"
+
+
+# -- the clocks -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Timed:
+    ttft: float
+    decode: float  # tokens/s after the first
+    tokens: int
+    start: float
+    end: float
+
+
+def timed(record: RequestRecord) -> Timed:
+    if not record.ok or record.ttft is None:
+        raise RuntimeError(f"a request failed: {record.error}")
+    first = record.chunk_times[0]
+    return Timed(ttft=record.ttft, decode=(record.output_tokens - 1) / max(record.end - first, 1e-9),
+                 tokens=record.output_tokens, start=record.start, end=record.end)
+
+
+# -- lanes ------------------------------------------------------------------------------------------
+class HttpLane:
+    def __init__(self, name: str, server: ChildServer, ready_path: str) -> None:
+        self.name, self.server, self.ready_path = name, server, ready_path
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0),
+                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    async def start(self, timeout_s: float) -> None:
+        self.server.start()
+        await self.server.wait_ready(timeout_s=timeout_s, path=self.ready_path)
+
+    async def run(self, requests: list[BenchRequest]) -> list[Timed]:
+        records = await asyncio.gather(*(send(self.client, url=self.server.url, model=MODEL, request=r)
+                                         for r in requests))
+        return [timed(r) for r in records]
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.stop()
+
+
+class InProcessLane:
+    """The engine in a child process (this file, run as a script), fed the same messages over a pipe."""
+
+    name = "in_process"
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+
+    async def start(self, timeout_s: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-P", __file__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.info = await asyncio.to_thread(self._read)
+
+    def _read(self) -> Any:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the in-process child exited")
+        return json.loads(line)
+
+    async def run(self, requests: list[BenchRequest]) -> list[Timed]:
+        assert self.proc is not None and self.proc.stdin is not None
+        batch = [{"messages": [{"role": r, "content": c} for r, c in req.messages or ()],
+                  "max_tokens": req.max_tokens} for req in requests]
+        self.proc.stdin.write(json.dumps(batch) + "\n")
+        self.proc.stdin.flush()
+        return [Timed(**t) for t in await asyncio.to_thread(self._read)]
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def child() -> int:
+    """Serve batches from stdin: add them all at once, step to the end, report each one's clocks.
+
+    The steps run on a thread of their own, as the server's engine loop does: here (AMD EPYC, 2 cores,
+    load average 10-14) torch ops issued from the main thread with 2 OpenMP threads ran 26-60x slower than
+    the same ops from a second thread (OMP_WAIT_POLICY=passive or 1 thread removed the gap), which
+    would make the in-process lane a broken baseline rather than the engine's own speed."""
+    import queue
+    import threading
+
+    import torch
+
+    from decodeservice.engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(MODEL)  # the defaults `decodectl engine` serves with
+    plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {}
+    print(json.dumps({"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                      "torch_threads": torch.get_num_threads(), "weights": engine.model.weight_format,
+                      "activations": str(engine.dtype).removeprefix("torch."),
+                      "prompt_copy_bytes": plan.get("prompt_copy_bytes"),
+                      "kernel_rows": plan.get("rows"),
+                      "steps_on": "a second thread, as the server's engine loop"}), flush=True)
+
+    def run_batch(batch: list[dict[str, Any]]) -> list[dict[str, float]]:
+        start: dict[str, float] = {}
+        first: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        for item in batch:
+            start_s = time.perf_counter()
+            text = engine.tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True)
+            prompt = engine.encode_prompt(text, add_special_tokens=False)
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=item["max_tokens"], temperature=0.0,
+                                                            ignore_eos=True))
+            start[rid] = start_s
+        end: dict[str, float] = {}
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                if out.new_text and out.request_id not in first:
+                    first[out.request_id] = now  # as the client sees it: the first chunk with text
+                if out.finished:
+                    end[out.request_id], tokens[out.request_id] = now, out.num_output_tokens
+        return [{"ttft": first[r] - start[r], "decode": (tokens[r] - 1) / max(end[r] - first[r], 1e-9),
+                 "tokens": tokens[r], "start": start[r], "end": end[r]} for r in start]
+
+    batches: queue.SimpleQueue[list[dict[str, Any]] | None] = queue.SimpleQueue()
+
+    def loop() -> None:
+        while (batch := batches.get()) is not None:
+            print(json.dumps(run_batch(batch)), flush=True)
+
+    worker = threading.Thread(target=loop, name="engine-steps")
+    worker.start()
+    for line in sys.stdin:
+        batches.put(json.loads(line))
+    batches.put(None)
+    worker.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child())
