@@ -13,6 +13,11 @@
 // and its codes are unpacked once for every row of the tile. A row's result does not depend on the
 // other rows of the call (each row is computed alone, in the same order, at every row count).
 //
+// Prompt-sized calls: what the tiles cost besides the dot products is each (row, group)'s rescale (a
+// convert, a multiply and two FMAs per 8 dot instructions, on the same pipes), which the tile's shape
+// does not change; what was left to take was the scalar quantization and bf16 stores, and the serial
+// quantization ahead of a parallel region: both vectorized, and many rows split between threads by rows.
+//
 // Scales: per block and group, 16 bf16 scales then 16 bf16 zeros, w = (code - 8) * scale + zero.
 #include <torch/extension.h>
 
@@ -31,6 +36,11 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;                // output columns per tile block
 constexpr int64_t kGroupBytes = kBlock * kGroup / 2;  // 256: one block's codes for one group
 constexpr int kRows = 4;                      // rows per register tile
+// From this many rows a call is split between threads by rows, each quantizing its own: one parallel
+// region, no serial quantization before it. Fewer rows (decode, verify) split the columns: their cost is
+// the weights' bytes, which each thread then reads once.
+constexpr int64_t kRowSplit = 64;
+constexpr int64_t kRowChunk = 32;  // rows quantized and run together: their int8 values stay in L1
 
 // The call's rows quantized per group: values (M, K) int8, and per (row, group) the int8 step and the
 // sum of the unquantized values (the zero's term needs it, not the codes).
@@ -46,6 +56,63 @@ struct Activations {
   }
 };
 
+// One group of 32 values: its int8 codes, step and sum. Vectorized, the codes and steps are the scalar
+// loop's (the same fp32 product, rounded to nearest even), the sum is added up in another (fixed) order.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline void quantize_group(const T* group, int8_t* out, float* step, float* sum) {
+  const __m512 v0 = load16(group), v1 = load16(group + 16);
+  const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  *step = peak / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(*step > 0.0f ? 1.0f / *step : 0.0f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse))));
+}
+#else
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float horizontal(__m256 v, bool max) {
+  __m128 x = max ? _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+                 : _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_movehl_ps(x, x);
+  x = max ? _mm_max_ps(x, y) : _mm_add_ps(x, y);
+  const __m128 z = _mm_shuffle_ps(x, x, 1);
+  return _mm_cvtss_f32(max ? _mm_max_ss(x, z) : _mm_add_ss(x, z));
+}
+
+template <typename T>
+inline void quantize_group(const T* group, int8_t* out, float* step, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], peak = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(group + 8 * i);
+    peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, v[i]));
+    total = _mm256_add_ps(total, v[i]);
+  }
+  *sum = horizontal(total, false);
+  *step = horizontal(peak, true) / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(*step > 0.0f ? 1.0f / *step : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // packs interleave the 128-bit lanes: 4-byte chunks come out as q0a q1a q2a q3a q0b q1b q2b q3b.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
 template <typename T>
 Activations quantize_rows(const T* x, int64_t m_rows, int64_t k) {
   Activations a;
@@ -54,28 +121,43 @@ Activations quantize_rows(const T* x, int64_t m_rows, int64_t k) {
   a.values.resize(static_cast<size_t>(m_rows * k));
   a.steps.resize(static_cast<size_t>(m_rows * a.groups));
   a.sums.resize(static_cast<size_t>(m_rows * a.groups));
-  for (int64_t m = 0; m < m_rows; ++m) {
+  for (int64_t m = 0; m < m_rows; ++m)
     for (int64_t g = 0; g < a.groups; ++g) {
-      const T* group = x + m * k + g * kGroup;
-      float peak = 0.0f, sum = 0.0f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const float value = static_cast<float>(group[i]);
-        peak = std::max(peak, std::fabs(value));
-        sum += value;
-      }
-      const float step = peak / 127.0f, inverse = step > 0.0f ? 1.0f / step : 0.0f;
-      int8_t* out = a.values.data() + m * k + g * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(group[i]) * inverse));
-      a.steps[static_cast<size_t>(m * a.groups + g)] = step;
-      a.sums[static_cast<size_t>(m * a.groups + g)] = sum;
+      const auto at = static_cast<size_t>(m * a.groups + g);
+      quantize_group(x + m * k + g * kGroup, a.values.data() + m * k + g * kGroup, &a.steps[at], &a.sums[at]);
     }
-  }
   return a;
 }
 
-template <typename Out>
-inline void store_row(const float* values, int64_t count, Out* out) {
-  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<Out>(values[i]);
+// fp32 -> bf16 rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion, 16 or 8 at a time.
+inline void store_row(const float* values, int64_t count, float* out) { std::memcpy(out, values, count * sizeof(float)); }
+
+inline void store_row(const float* values, int64_t count, at::BFloat16* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (count == 16) {
+    const __m512 v = _mm512_loadu_ps(values);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+    return;
+  }
+#else
+  if (count == 8) {
+    const __m256 v = _mm256_loadu_ps(values);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                          _mm256_set1_epi32(0x7FFF));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<at::BFloat16>(values[i]);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -212,24 +294,42 @@ void run_task(const Activations& a, int64_t row0, const uint8_t* tiles, const at
 }
 #endif
 
+// Rows [0, m_rows) of `a` x tasks [task_begin, task_end); `out` points at row 0's output.
 template <typename Out>
-void matmul(const Activations& a, int64_t m_rows, const uint8_t* tiles, const at::BFloat16* scales, int64_t n_out,
-            Out* out) {
-  const int64_t tasks = (n_out + kTaskCols - 1) / kTaskCols;
-  // A task is 8-32 columns x K: a few thousand multiply-adds a row, enough to amortize a thread's wake-up
-  // only in bunches.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, kTaskCols * a.k));
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      for (int64_t m = 0; m < m_rows; m += kRows) {
-        switch (std::min<int64_t>(kRows, m_rows - m)) {
-          case 1: run_task<1>(a, m, tiles, scales, task, n_out, out); break;
-          case 2: run_task<2>(a, m, tiles, scales, task, n_out, out); break;
-          case 3: run_task<3>(a, m, tiles, scales, task, n_out, out); break;
-          default: run_task<4>(a, m, tiles, scales, task, n_out, out); break;
-        }
+void run_rows(const Activations& a, int64_t m_rows, const uint8_t* tiles, const at::BFloat16* scales,
+              int64_t task_begin, int64_t task_end, int64_t n_out, Out* out) {
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    for (int64_t m = 0; m < m_rows; m += kRows) {
+      switch (std::min<int64_t>(kRows, m_rows - m)) {
+        case 1: run_task<1>(a, m, tiles, scales, task, n_out, out); break;
+        case 2: run_task<2>(a, m, tiles, scales, task, n_out, out); break;
+        case 3: run_task<3>(a, m, tiles, scales, task, n_out, out); break;
+        default: run_task<4>(a, m, tiles, scales, task, n_out, out); break;
       }
     }
+  }
+}
+
+template <typename T, typename Out>
+void matmul(const T* x, int64_t m_rows, int64_t k, const uint8_t* tiles, const at::BFloat16* scales, int64_t n_out,
+            Out* out) {
+  const int64_t tasks = (n_out + kTaskCols - 1) / kTaskCols;
+  if (m_rows >= kRowSplit) {
+    at::parallel_for(0, m_rows, kRowChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m += kRowChunk) {
+        const int64_t rows = std::min(kRowChunk, end - m);
+        const Activations a = quantize_rows(x + m * k, rows, k);
+        run_rows(a, rows, tiles, scales, 0, tasks, n_out, out + m * n_out);
+      }
+    });
+    return;
+  }
+  const Activations a = quantize_rows(x, m_rows, k);
+  // A task is 8-32 columns x K: a few thousand multiply-adds a row, enough to amortize a thread's wake-up
+  // only in bunches.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, kTaskCols * k));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    run_rows(a, m_rows, tiles, scales, begin, end, n_out, out);
   });
 }
 
@@ -254,12 +354,10 @@ void int4_matmul(const torch::Tensor& x, const torch::Tensor& tiles, const torch
   const auto* tile_ptr = tiles.data_ptr<uint8_t>();
   const auto* scale_ptr = scales.data_ptr<at::BFloat16>();
   if (x.scalar_type() == torch::kFloat32) {
-    const Activations a = quantize_rows(x.data_ptr<float>(), m_rows, k);
-    matmul(a, m_rows, tile_ptr, scale_ptr, n_out, out.data_ptr<float>());
+    matmul(x.data_ptr<float>(), m_rows, k, tile_ptr, scale_ptr, n_out, out.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
-    const Activations a = quantize_rows(x.data_ptr<at::BFloat16>(), m_rows, k);
-    matmul(a, m_rows, tile_ptr, scale_ptr, n_out, out.data_ptr<at::BFloat16>());
+    matmul(x.data_ptr<at::BFloat16>(), m_rows, k, tile_ptr, scale_ptr, n_out, out.data_ptr<at::BFloat16>());
   }
 }
 
