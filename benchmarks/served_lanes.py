@@ -18,6 +18,7 @@ from decodeservice.loadgen.metrics import RequestRecord
 from decodeservice.loadgen.procs import ChildServer
 
 MODEL = "smollm2-135m"
+TTFT_METRIC = "vllm:time_to_first_token_seconds"
 
 
 # -- the clocks -------------------------------------------------------------------------------------
@@ -54,6 +55,21 @@ class HttpLane:
                                          for r in requests))
         return [timed(r) for r in records]
 
+    async def server_ttft(self) -> tuple[float, float] | None:
+        """The server's own TTFT histogram (sum, count), `vllm:time_to_first_token_seconds` on /metrics:
+        vLLM's, and ours under the same name, both timed from the request's arrival at the engine front."""
+        response = await self.client.get(f"{self.server.url}/metrics", timeout=30.0)
+        if response.status_code != 200:
+            return None
+        totals = {"_sum": 0.0, "_count": 0.0}
+        for line in response.text.splitlines():
+            if line.startswith(TTFT_METRIC):
+                name, _, value = line.rpartition(" ")
+                for suffix in totals:
+                    if name.startswith(TTFT_METRIC + suffix):
+                        totals[suffix] += float(value)
+        return (totals["_sum"], totals["_count"]) if totals["_count"] else None
+
     async def stop(self) -> None:
         await self.client.aclose()
         self.server.stop()
@@ -87,6 +103,9 @@ class InProcessLane:
         self.proc.stdin.write(json.dumps(batch) + "\n")
         self.proc.stdin.flush()
         return [Timed(**t) for t in await asyncio.to_thread(self._read)]
+
+    async def server_ttft(self) -> tuple[float, float] | None:
+        return None  # no server: its TTFT is all engine
 
     async def stop(self) -> None:
         if self.proc is not None:

@@ -12,6 +12,9 @@ One client for every server (`decodectl bench`'s, loadgen/client.py): streamed c
 `ignore_eos: true`, a final usage chunk. The workload, per lane and round:
 - one stream at a time (`--singles` requests): TTFT (send to first content chunk) and decode tokens/s
   ((output tokens - 1) / (end - first chunk)); medians over the requests;
+  for HTTP lanes also the server's own TTFT (its `vllm:time_to_first_token_seconds` histogram, read from
+  /metrics around the singles) and what the client waited beyond it (`outside_server_ttft_s`: HTTP, the
+  chat template, tokenization, SSE);
 - `--streams` requests sent at once: output tokens/s (all output tokens / first send to last end) and
   the TTFT median over the streams.
 Every request's prompt is a ~`--prompt-tokens`-token chat message that starts with a fresh random tag, so
@@ -104,6 +107,18 @@ def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> d
             **({"wrong_output_lengths": short} if short else {})}
 
 
+def server_share(singles: list[Timed], before: tuple[float, float] | None,
+                 after: tuple[float, float] | None) -> dict[str, float]:
+    """Where the one-stream TTFT goes: the server's own clock (its TTFT histogram, from the request's arrival
+    at the engine front to the first token there) against the client's; the rest is HTTP, parsing, the chat
+    template and tokenization, and the SSE write and read."""
+    if before is None or after is None or after[1] - before[1] != len(singles):
+        return {}
+    server = (after[0] - before[0]) / len(singles)
+    client = statistics.fmean(t.ttft for t in singles)
+    return {"ttft_mean_s": client, "server_ttft_mean_s": server, "outside_server_ttft_s": client - server}
+
+
 def make_lanes(args: argparse.Namespace, logs: Path) -> tuple[list[Any], dict[str, str]]:
     lanes: list[Any] = []
     skipped: dict[str, str] = {}
@@ -189,9 +204,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results: dict[str, dict[str, Any]] = {}
                 for lane in order:
                     load = os.getloadavg()
+                    before = await lane.server_ttft()
                     singles = [(await lane.run([fresh(body, args.output_tokens)]))[0] for _ in range(args.singles)]
+                    split = server_share(singles, before, await lane.server_ttft())
                     burst = await lane.run([fresh(body, args.output_tokens) for _ in range(args.streams)])
-                    results[lane.name] = {**summarize(singles, burst, args.output_tokens), "load_avg_at_start": load}
+                    results[lane.name] = {**summarize(singles, burst, args.output_tokens), **split,
+                                          "load_avg_at_start": load}
                     print(f"round {index + 1} {lane.name}: {json.dumps(results[lane.name])}", file=sys.stderr)
                 per_round.append(results)
         finally:
