@@ -21,7 +21,8 @@ the layers, milliseconds per prefill:
 set on every projection after the engine's own plan: `packed` the oneDNN-packed dense copy in the
 activations' dtype, `int8` the int8 copy (int8 rows x int8 weights, exact int32 sums), `plan` whatever
 the engine's kernel plan chose. Per route the round with the fastest step is kept, and the per-round
-ratio of each route's step to the first route's is given as median and range.
+ratio of each route's step to the first route's is given as median and range. A route `ROUTE@REV` is
+ROUTE with the int8-dot kernel as it was at git revision REV (a kernel's before/after in one run).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from decodeservice.engine.quant.linear import RowPlanned
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 from decode_step_by_context import spent, timed  # one clock of the parts for both studies
+from int4_dot_prompt import build_before
 from json_out import emit
 from long_context import document_tokens
 
@@ -62,14 +64,19 @@ def instrument_model(engine: Engine) -> None:
 
 
 def set_prompt_route(engine: Engine, route: str) -> None:
-    """Every projection's prompt rows on `route`'s copy (an A/B harness: the engine's plan chooses one)."""
-    if route == "plan":
-        return
-    copy = {"int8": "int8", "packed": "packed"}.get(route, "none")
+    """Every projection's prompt rows on `route`'s copy (an A/B harness: the engine's plan chooses one).
+    `ROUTE@REV`: ROUTE, with every int8-dot call (decode rows too) on int4_dot.cpp as it was at git
+    revision REV (the tiles' layout is the same), so a kernel change is timed inside one run."""
+    route, _, rev = route.partition("@")
+    dot = build_before(rev) if rev else None
+    copy = {"int8": "int8", "packed": "packed", "plan": None}.get(route, "none")
     for name, module in list(engine.model.named_modules()):
         if isinstance(module, RowPlanned) and module is not engine.model.lm_head:
-            # another plan is another module, on the same weights (linear.RowPlanned.with_plan)
-            engine.model.set_submodule(name, module.with_plan(dataclasses.replace(module.plan, prompt_copy=copy)))
+            plan = module.plan if copy is None else dataclasses.replace(module.plan, prompt_copy=copy)
+            if dot is not None and getattr(plan, "int8_dot", None) is not None:
+                plan = dataclasses.replace(plan, int8_dot=dot)
+            if plan is not module.plan:  # another plan is another module, on the same weights (RowPlanned.with_plan)
+                engine.model.set_submodule(name, module.with_plan(plan))
 
 
 def prefill_parts(engine: Engine, tokens: list[int]) -> dict[str, float]:
@@ -97,7 +104,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=490)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--routes", default="packed,int8", help="prompt-row weight routes, the first the baseline")
+    parser.add_argument("--routes", default="packed,int8", help="prompt-row weight routes (plan, packed, int8, none; ROUTE@REV: int4_dot.cpp at REV), the first the baseline")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
