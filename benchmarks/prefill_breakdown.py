@@ -66,13 +66,17 @@ def instrument_model(engine: Engine) -> None:
 def set_prompt_route(engine: Engine, route: str) -> None:
     """Every projection's prompt rows on `route`'s copy (an A/B harness: the engine's plan chooses one).
     `ROUTE@REV`: ROUTE, with every int8-dot call (decode rows too) on int4_dot.cpp as it was at git
-    revision REV (the tiles' layout is the same), so a kernel change is timed inside one run."""
+    revision REV (the tiles' layout is the same), so a kernel change is timed inside one run.
+    `ROUTE/A+B`: ROUTE for the projections named A or B (o_proj, down_proj, ...) only, the plan's for the
+    others: e.g. `packed/o_proj+down_proj@REV` is a plan that kept those two on the packed copy."""
     route, _, rev = route.partition("@")
+    route, _, names = route.partition("/")
     dot = build_before(rev) if rev else None
     copy = {"int8": "int8", "packed": "packed", "plan": None}.get(route, "none")
     for name, module in list(engine.model.named_modules()):
         if isinstance(module, RowPlanned) and module is not engine.model.lm_head:
-            plan = module.plan if copy is None else dataclasses.replace(module.plan, prompt_copy=copy)
+            chosen = copy if not names or name.rsplit(".", 1)[-1] in names.split("+") else None
+            plan = module.plan if chosen is None else dataclasses.replace(module.plan, prompt_copy=chosen)
             if dot is not None and getattr(plan, "int8_dot", None) is not None:
                 plan = dataclasses.replace(plan, int8_dot=dot)
             if plan is not module.plan:  # another plan is another module, on the same weights (RowPlanned.with_plan)
@@ -104,7 +108,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=490)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--routes", default="packed,int8", help="prompt-row weight routes (plan, packed, int8, none; ROUTE@REV: int4_dot.cpp at REV), the first the baseline")
+    parser.add_argument("--routes", default="packed,int8", help="prompt-row weight routes (plan, packed, int8, none; ROUTE/A+B: for projections A and B only; "
+                        "ROUTE@REV: int4_dot.cpp at REV), the first the baseline")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
