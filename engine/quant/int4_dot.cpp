@@ -1,4 +1,4 @@
-// Decode-size GEMMs on 4-bit weights with int8 dot products (engine/quant/native.py), for few rows.
+// GEMMs on 4-bit weights with int8 dot products (engine/quant/native.py): decode rows and prompt chunks.
 //
 // torch's CPU int4 kernel computes in fp32 and dequantizes its weights again for every block of 4 rows,
 // so its cost grows with rows: what a speculative verify and a batch of streams pay. Here, as llama.cpp
@@ -13,10 +13,11 @@
 // and its codes are unpacked once for every row of the tile. A row's result does not depend on the
 // other rows of the call (each row is computed alone, in the same order, at every row count).
 //
-// Prompt-sized calls: what the tiles cost besides the dot products is each (row, group)'s rescale (a
-// convert, a multiply and two FMAs per 8 dot instructions, on the same pipes), which the tile's shape
-// does not change; what was left to take was the scalar quantization and bf16 stores, and the serial
-// quantization ahead of a parallel region: both vectorized, and many rows split between threads by rows.
+// Prompt chunks: besides the dot products, each (row, group) pays its rescale (a convert, a multiply and
+// two FMAs per 8 dot instructions, on the same pipes) whatever the register tile's shape (wider or
+// taller tiles measured no faster); the cost that was left was the scalar quantization and bf16 stores,
+// and the serial quantization ahead of the parallel region: both vectorized, and calls of many rows
+// split between threads by rows.
 //
 // Scales: per block and group, 16 bf16 scales then 16 bf16 zeros, w = (code - 8) * scale + zero.
 #include <torch/extension.h>
