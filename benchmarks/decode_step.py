@@ -10,7 +10,7 @@
   int4 kernel, int8 (`_weight_int8pack_mm`), W8A8 (`torch._int_mm` on int8 codes, the activations'
   per-row quantization and the int32 epilogue included: engine/quant/w8a8.py, which takes it from
   `W8A8_ROWS` rows on), bf16 `F.linear` on the dequantized weight, and what dequantizing the int4 weight
-  costs (the dense path `Int4Linear` takes at `DENSE_ROWS` rows without W8A8).
+  costs (the reference `Int4Linear` falls back to where its weight-only kernel fails the self-check).
   Weights stay in cache between repeats here, so these are the kernels' compute, not DRAM streaming.
 - `verify_row_cost`: a speculative verify's step time with k drafts against the 1-row step, per row
   (what `SpeculativeConfig.draft_row_cost` should be), at the first thread count.

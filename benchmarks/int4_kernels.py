@@ -89,7 +89,7 @@ def main() -> int:
 def _errors(pair: tuple[Any, Any], matmul: Callable[..., torch.Tensor], dot: Any) -> dict[str, float]:
     module, tiles = pair
     x = torch.randn(8, module.in_features, generator=torch.Generator().manual_seed(1))
-    reference = x @ module.torch_dense_weight(torch.float32).t()
+    reference = x @ module.dense_weight(torch.float32).t()
 
     def error(value: torch.Tensor) -> float:
         return round(float((value.float() - reference).norm() / reference.norm()), 5)

@@ -7,9 +7,10 @@ Attention (route_audit_attention.py): the native paged kernel (decodes, prompt r
 backend's plain path (gather + SDPA); 1, 4 and 16 decode rows over 64 to 2600 keys, 16 to 512 prompt rows
 with and without a cached prefix. `--routes native_kernel_decode` times the decodes alone.
 Projections (one layer's, in model order, as a step streams them; the head on its own): torch's int4
-weight-only kernel against the int8-dot kernel, the dense path (dequantize per call) and its native
-dequantization, the packed prompt copy, W8A8, and Int8Linear's routes (from the same weights), at 1, 4, 16
-decode rows and 16 to 512 prompt rows.
+weight-only kernel against the int8-dot kernel; the plan's weight-only kernel against the packed prompt
+copy, the reference (dequantize per call, then a GEMM: `dense_dequantized`, a route until it lost here at
+every row count, kept to show it still loses) and W8A8; Int8Linear's routes (from the same weights); at
+1, 4, 16 decode rows and 16 to 512 prompt rows.
 
 Each round times every case's route and reference in turn (order alternating by round), each as the
 best of as many calls as fit in `--budget-ms` (at least 3); a case's speedup is reference / route per
@@ -58,13 +59,7 @@ def best_ms(fn: Callable[[], object], budget_ms: float) -> float:
 
 def linear_cases(engine: Any, *, dtype: torch.dtype, gen: torch.Generator) -> list[Case]:
     from decodeservice.engine.quant.linear import Int4Linear, Int8Linear, RowPlanned
-    from decodeservice.engine.quant.native import (
-        dequant_extension,
-        dequantize_int4,
-        int4_dot_extension,
-        int4_dot_matmul,
-        tile_codes,
-    )
+    from decodeservice.engine.quant.native import int4_dot_extension, int4_dot_matmul, tile_codes
     from decodeservice.engine.quant.prompt_weights import supported
     from decodeservice.engine.quant.step_rows import tiled_linear
     from decodeservice.engine.quant.w8a8 import quantize_int8, w8a8_mm
@@ -74,9 +69,9 @@ def linear_cases(engine: Any, *, dtype: torch.dtype, gen: torch.Generator) -> li
     heads = [m for n, m in named if n.endswith("lm_head") and isinstance(m, Int4Linear)]
     if not layer:
         return []
-    dot, native = int4_dot_extension(), dequant_extension()
+    dot = int4_dot_extension()
     tiles = {id(m): tile_codes(m.codes, m.scale_zeros) for m in layer + heads if m.int8_dot_fits and dot is not None}
-    dense = {id(m): m.torch_dense_weight(torch.float32) for m in layer}
+    dense = {id(m): m.dense_weight(torch.float32) for m in layer}
     int8 = {id(m): Int8Linear(dense[id(m)], dtype=dtype, w8a8=True) for m in layer}
     w8a8 = {id(m): quantize_int8(dense[id(m)]) for m in layer}
     packed = ({id(m): torch.ops.mkldnn._reorder_linear_weight(m.dense_weight(dtype), None) for m in layer}
@@ -105,15 +100,10 @@ def linear_cases(engine: Any, *, dtype: torch.dtype, gen: torch.Generator) -> li
     for rows in PROMPT_ROWS:
         case("dense_dequantized", "weight_only", f"layer x {rows} rows",
              each(layer, rows, lambda m, x: F.linear(x, m.dense_weight(dtype))), each(layer, rows, lambda m, x: m.weight_only_rows(x)))
-        if native is not None:
-            case("native_dequant", "torch_dequant", f"layer x {rows} rows",
-                 each(layer, rows, lambda m, x: F.linear(x, dequantize_int4(m.codes, m.scale_zeros, m.group_size, dtype,
-                                                                          module=native))),
-                 each(layer, rows, lambda m, x: F.linear(x, m.torch_dense_weight(dtype))))
         if packed:
-            case("packed_prompt_copy", "dense_dequantized", f"layer x {rows} rows",
+            case("packed_prompt_copy", "weight_only", f"layer x {rows} rows",
                  each(layer, rows, lambda m, x: tiled_linear(x, _packed_linear(packed[id(m)]))),
-                 each(layer, rows, lambda m, x: tiled_linear(x, lambda r: F.linear(r, m.dense_weight(dtype)))))
+                 each(layer, rows, lambda m, x: m.weight_only_rows(x)))
     for rows in (4, 16, 64):
         case("w8a8_int4", "weight_only", f"layer x {rows} rows",
              each(layer, rows, lambda m, x: w8a8_mm(x, w8a8[id(m)][0], w8a8[id(m)][1])),
@@ -150,14 +140,12 @@ def plan_uses(engine: Any) -> dict[str, str]:
     plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {"rows": {}}
     rows = plan["rows"]
     dot = [k for k, p in rows.items() if p["weight_only"].startswith("int8 dot")]
-    dense = [f"{k} from {p['dense_from_prompt_only']}" for k, p in rows.items() if p["dense_from_prompt_only"] is not None]
     copies = [k for k, p in rows.items() if p["prompt_packed"]]
     uses = {
         "native_kernel_decode": "every decode and verify (up to 9 rows a span)" if native else "",
         "native_kernel_prompt": "every prompt row (a prefix hit computes what the miss did)" if native else "",
         "int8_dot": f"weight-only calls of {', '.join(dot)}" if dot else "",
-        "dense_dequantized": f"prompt rows of {'; '.join(dense)}" if dense and not copies else "",
-        "native_dequant": "the dense path's dequantization" if plan.get("native_dequant") and dense and not copies else "",
+        "dense_dequantized": "",  # removed: only the self-check's fallback, where a weight-only kernel fails it
         "packed_prompt_copy": f"prompt rows of {', '.join(copies)}" if copies else "",
         "w8a8_int4": "", "int8_weight_only": "", "int8_w8a8": "", "int8_dense": "",  # non-default options (--w8a8, int8)
     }

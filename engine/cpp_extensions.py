@@ -1,4 +1,4 @@
-"""The engine's C++ kernels (engine/quant/dequant_int4.cpp, engine/quant/int4_dot.cpp), built
+"""The engine's C++ kernels (engine/quant/int4_dot.cpp, the attention kernels), built
 with torch.utils.cpp_extension at first use and cached.
 
 Each is built for the ISA ATen dispatches to, never for the build machine: an AVX2-capped run

@@ -142,8 +142,7 @@ class ModelRunner:
         Each row writes its K/V into block 0, which is free: whoever gets it writes its own K/V before
         attention reads any."""
         linears = self.kernels.linears.values() if self.kernels is not None else ()
-        thresholds = {t for plan in linears for t in (plan.w8a8_from, plan.mixed_dense_from)
-                      if t is not None and 2 < t <= MAX_ROWS}
+        thresholds = {t for t in (plan.w8a8_from for plan in linears) if t is not None and 2 < t <= MAX_ROWS}
         for rows in (1, 2, *sorted(thresholds)):
             scheduled = [
                 ScheduledSequence(seq=Sequence(request_id=f"warm-up-{i}", prompt_token_ids=[0],
@@ -181,11 +180,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  spans=tuple(spans), block_size=bs)
         prompt_rows, other_rows = _prompt_rows(meta.spans, device=self.device)
-        # The step's own row split, handed down its forward (quant/step_rows.py). prompt_only: no sequence
-        # decodes or verifies its last token. Per step, as the rows are: engines of both modes may share
-        # one model's weights (tests do).
-        rows = StepRows(prompt_only=all(item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in scheduled),
-                        prompt_rows=prompt_rows, other_rows=other_rows, deterministic=self.deterministic)
+        # The step's own row split, handed down its forward (quant/step_rows.py). Per step, as the rows are:
+        # engines of both modes may share one model's weights (tests do).
+        rows = StepRows(prompt_rows=prompt_rows, other_rows=other_rows, deterministic=self.deterministic)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),

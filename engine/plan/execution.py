@@ -138,8 +138,7 @@ class ExecutionPlan:
             lines.append(f"attention: {att.backend} - {att.why} [capability]")
         if self.kernels is not None:
             k = d["kernels"]
-            lines.append(f"projections: native dequant {k['native_dequant']}, prompt copies "
-                         f"{k['prompt_copy_bytes']} bytes [{k['source']}]")
+            lines.append(f"projections: prompt copies {k['prompt_copy_bytes']} bytes [{k['source']}]")
             for key, rows in k["rows"].items():
                 lines.append(f"  {key}: {rows}")
             lines += [f"  self-check fallback: {line}" for line in k["self_check_fallbacks"]]

@@ -18,13 +18,7 @@ from torch import nn
 
 from decodeservice.engine.quant.int4 import Int4Weight, unpack_nibbles
 from decodeservice.engine.quant.native import GROUP as DOT_GROUP
-from decodeservice.engine.quant.native import (
-    TILE_COLUMNS,
-    DotTiles,
-    dequantize_int4,
-    int4_dot_matmul,
-    tile_codes,
-)
+from decodeservice.engine.quant.native import TILE_COLUMNS, DotTiles, int4_dot_matmul, tile_codes
 from decodeservice.engine.quant.prompt_weights import Int8Copy
 from decodeservice.engine.quant.step_rows import PLAIN_ROWS, StepRows, tiled_linear
 from decodeservice.engine.quant.w8a8 import W8A8_ROWS, int8_from_int4, quantize_int8, w8a8_mm
@@ -42,15 +36,6 @@ def int8_kernels_available() -> bool:
 # What the weight-only kernels are called with: their fp32 paths are scalar loops, many times slower
 # than their bf16 ones on AVX-512 and AVX2 alike.
 KERNEL_DTYPE = torch.bfloat16
-# Row thresholds before the engine plans this machine's kernels (engine/quant/kernel_plan.py measures
-# and sets each module's own at start-up); a module built outside an engine keeps these.
-DENSE_ROWS = 256
-# Below this many rows the dense path takes prompt-only steps alone: a decode batch or a verify
-# (compiled_step.MAX_ROWS rows at most, tested to stay below this) keeps the weight-only kernel
-# whatever its size, so that a stream's projections do not change with the batch it decodes in, and a
-# verify's rows project as their decodes would. (Attention still differs by rounding between a verify
-# and a decode in bf16: docs/performance.md#cpu-kernels-by-capability.)
-DENSE_MIN_ROWS = 65
 # Below this many weights a matrix's calls are all overhead, so timing the int8-dot kernel against
 # torch's would choose by noise: such matrices keep torch's kernel.
 DOT_MIN_WEIGHTS = 1 << 16
@@ -64,26 +49,19 @@ class LinearPlan:
     plan, kernel_plan.py, makes one per projection shape; a module built outside an engine takes
     `LinearPlan.default`). `None` turns a path off."""
 
-    dense_from: int | None  # rows from which a call takes the dense GEMM (RowPlanned.takes_dense); 1: every call
     w8a8_from: int | None  # rows from which a call takes W8A8 (only where the module has int8 codes)
     # The weight-only route: native.py's int8-dot kernel (Int4Linear only), or None for torch's kernel.
     int8_dot: ModuleType | None = None
-    # The dense path's dequantization: native.py's fused C++ kernel (Int4Linear only), or None for torch's ops.
-    native_dequant: ModuleType | None = None
-    # Which copy of the weights prompt rows run on: none (the row thresholds' paths), a oneDNN-packed dense
-    # copy, or an int8 copy (prompt_weights.py).
+    # Which copy of the weights prompt rows run on: none (the weight-only kernel, or W8A8 where on), a
+    # oneDNN-packed dense copy, or an int8 copy (prompt_weights.py).
     prompt_copy: Literal["none", "packed", "int8"] = "none"
-
-    @property
-    def mixed_dense_from(self) -> int | None:
-        """Where a call in a step with decode or verify rows leaves the weight-only kernel."""
-        if self.dense_from is None or self.dense_from == 1:
-            return self.dense_from
-        return max(self.dense_from, DENSE_MIN_ROWS)
+    # The weight-only kernel failed its self-check (self_check.py): every call it would take runs the plain
+    # reference instead, a GEMM on weights dequantized from the project's own codes.
+    reference_only: bool = False
 
     @classmethod
-    def default(cls, *, int4: bool, w8a8: bool) -> LinearPlan:
-        return cls(dense_from=DENSE_ROWS if int4 else None, w8a8_from=W8A8_ROWS if w8a8 else None)
+    def default(cls, *, w8a8: bool) -> LinearPlan:
+        return cls(w8a8_from=W8A8_ROWS if w8a8 else None)
 
 
 def int8_dot_fits(out_features: int, in_features: int, group_size: int) -> bool:
@@ -93,16 +71,15 @@ def int8_dot_fits(out_features: int, in_features: int, group_size: int) -> bool:
 
 
 class RowPlanned(nn.Module):
-    """A quantized projection with three ways to run a call, chosen by its row count:
+    """A quantized projection with two ways to run a decode or verify call, chosen by its row count:
 
-    - the weight-only kernel (few rows: decode steps, short verifies);
+    - the weight-only kernel (torch's, or native.py's int8 dot where the plan gives it);
     - W8A8, int8 activations x int8 weights (where `w8a8` gave it int8 codes) from `w8a8_from` rows;
-    - a dense GEMM on weights dequantized from the project's own codes from `dense_from` rows (prompt
-      chunks: the kernel dequantizes per block of rows, so its cost grows with rows much faster).
 
-    The thresholds are this machine's, from the LinearPlan it was built with. `dense_from` applies as is
-    to prompt-only steps and from DENSE_MIN_ROWS to the others; 1 sends every call to the dense path
-    (the weight-only kernel failed its self-check). Nothing changes them after construction: another
+    and prompt rows on a copy of the weights where the plan keeps one (prompt_path). The plain reference,
+    a GEMM on weights dequantized from the project's own codes, is what the self-check compares with, and
+    what every call takes where the weight-only kernel failed it (`reference_only`). The routes are this
+    machine's, from the LinearPlan it was built with. Nothing changes them after construction: another
     plan is another module (`with_plan`, sharing the weights)."""
 
     in_features: int
@@ -128,10 +105,6 @@ class RowPlanned(nn.Module):
         raise NotImplementedError
 
     @property
-    def dense_from(self) -> int | None:
-        return self.plan.dense_from
-
-    @property
     def w8a8_from(self) -> int | None:
         return self.plan.w8a8_from
 
@@ -151,54 +124,48 @@ class RowPlanned(nn.Module):
         """`rows`: the step's row split (step_rows.StepRows), handed down the forward by the runner."""
         # x: (..., K) -> (..., N); the kernels take 2-D contiguous rows
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = rows.run(flat, prompt=self.prompt_path, other=self.prompt_only_rows if rows.prompt_only else self.by_rows,
-                       invariant=self.invariant_rows, out_features=self.out_features)
+        out = rows.run(flat, prompt=self.prompt_path, other=self.by_rows, invariant=self.invariant_rows,
+                       out_features=self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def invariant_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """Deterministic mode's one path for every row (StepRows.deterministic): a row's result is its own
-        whatever else the call holds. Here the dense GEMM on ROW_TILE-padded rows; Int4Linear takes the
+        whatever else the call holds. Here the reference on ROW_TILE-padded rows; Int4Linear takes the
         int8-dot kernel where it has it (each row computed alone: int4_dot.cpp)."""
+        return self.reference_rows(flat)
+
+    def reference_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """The plain reference, a GEMM on the weights dequantized per call, on ROW_TILE-padded rows."""
         weight = self.dense_weight(flat.dtype)
         return tiled_linear(flat, lambda rows: F.linear(rows, weight))
 
-    def by_rows(self, flat: torch.Tensor, *, prompt_only: bool = False) -> torch.Tensor:
-        """Decode and verify rows: the path this machine's plan gives their count (`prompt_only`: a step of
-        prompt rows only, StepRows.prompt_only)."""
-        rows = flat.shape[0]
-        if self.w8a8_from is not None and rows >= self.w8a8_from:
+    def by_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Decode and verify rows: the path this machine's plan gives their count."""
+        if self.w8a8_from is not None and flat.shape[0] >= self.w8a8_from:
             return self.w8a8(flat)
-        if self.takes_dense(rows, prompt_only=prompt_only):
+        if self.plan.reference_only:
             return F.linear(flat, self.dense_weight(flat.dtype))
         return self.weight_only_rows(flat)
-
-    def prompt_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
-        return self.by_rows(flat, prompt_only=True)
 
     def prompt_path(self, flat: torch.Tensor) -> torch.Tensor:
         """Prompt rows: one path whatever their count (StepRows). The packed dense copy where the plan keeps
         one (prompt_weights.py), called on ROW_TILE-padded rows; else W8A8 where it is on (per-row scales and
-        exact integer sums: a row's result is its own); else the dense GEMM where the plan found it faster
-        at some row count (what long prompt chunks need), called on ROW_TILE-padded rows; else the
-        weight-only kernel (a row's result is its own at every row count: engine/quant/int4_dot.cpp)."""
+        exact integer sums: a row's result is its own); else the weight-only kernel (a row's result is its
+        own at every row count: engine/quant/int4_dot.cpp), or the reference on ROW_TILE-padded rows where
+        that kernel failed its self-check."""
         if self.prompt_int8 is not None:  # measured faster than the dense copy; a row's result is its own
             return self.prompt_int8(flat)
         if self.prompt_weight is not None:  # measured faster than the routes below (prompt_weights.py)
             return tiled_linear(flat, self.packed_linear)
         if self.w8a8_from is not None:
             return self.w8a8(flat)
-        if self.dense_from is not None:
-            weight = self.dense_weight(flat.dtype)
-            return tiled_linear(flat, lambda rows: F.linear(rows, weight))
+        if self.plan.reference_only:
+            return self.reference_rows(flat)
         return self.weight_only_rows(flat)
 
     def weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) rows in the activations' dtype -> (M, N) the same dtype, through the weight-only kernel."""
         return self.weight_only(flat.to(KERNEL_DTYPE)).to(flat.dtype)
-
-    def takes_dense(self, rows: int, *, prompt_only: bool = False) -> bool:
-        threshold = self.dense_from if prompt_only else self.plan.mixed_dense_from
-        return threshold is not None and rows >= threshold
 
     def weight_only(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) bf16 -> (M, N) bf16 through the weight-only kernel (torch's, or native.py's int8 dot)."""
@@ -216,8 +183,8 @@ class RowPlanned(nn.Module):
 class Int4Linear(RowPlanned):
     """y = x @ W.T with W group-wise 4-bit: the CPU kernel's packed copy for the weight-only path, and
     the codes in our own layout (Int4Weight's nibbles, half a byte a weight; for a tied head the same
-    tensor as the embedding's) for the dense path. The kernel's layout differs by ISA (AVX-512 and AVX2
-    pack differently), so nothing here reads it.
+    tensor as the embedding's) for the reference and the prompt copies. The kernel's layout differs by
+    ISA (AVX-512 and AVX2 pack differently), so nothing here reads it.
 
     With `w8a8`, also an int8 per-channel copy of the same weights (one byte a weight, on top of the
     half byte of the 4-bit codes) for W8A8 (see engine/quant/w8a8.py).
@@ -243,7 +210,7 @@ class Int4Linear(RowPlanned):
         scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         codes, scales = int8_from_int4(weight) if w8a8 else (None, None)
         self._build(weight.packed, scale_zeros, weight.group_size, dtype=dtype, w8a8_codes=codes, w8a8_scales=scales,
-                    plan=plan or LinearPlan.default(int4=True, w8a8=w8a8))
+                    plan=plan or LinearPlan.default(w8a8=w8a8))
 
     def _build(self, codes: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, *, dtype: torch.dtype,
                w8a8_codes: torch.Tensor | None, w8a8_scales: torch.Tensor | None, plan: LinearPlan,
@@ -273,10 +240,6 @@ class Int4Linear(RowPlanned):
     @property
     def int8_dot(self) -> ModuleType | None:
         return self.plan.int8_dot
-
-    @property
-    def native_dequant(self) -> ModuleType | None:
-        return self.plan.native_dequant
 
     def _padding_rows(self) -> int:
         """Rows torch's pack op and its scale_zeros are padded by, one count for both: the op wants N a
@@ -332,12 +295,6 @@ class Int4Linear(RowPlanned):
         return w8a8_mm(flat, self.w8a8_codes, self.w8a8_scales)
 
     def dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is None and self.native_dequant is not None:
-            return dequantize_int4(self.codes, self.scale_zeros, self.group_size, dtype, module=self.native_dequant)
-        return self.torch_dense_weight(dtype, rows)
-
-    def torch_dense_weight(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """dense_weight in torch's elementwise ops: the reference the native kernel is checked against."""
         k, g = self.in_features, self.group_size
         scale_zeros, packed = self.scale_zeros[:, : self.out_features], self.codes
         if rows is not None:
@@ -365,7 +322,7 @@ class Int8Linear(RowPlanned):
         scales = scales.to(KERNEL_DTYPE)  # the weight-only kernel's
         # W8A8 scales its int32 sums by the same scales, as rounded for the weight-only kernel, in fp32.
         self._build(codes, scales, scales.float() if w8a8 else None, dtype=dtype,
-                    plan=plan or LinearPlan.default(int4=False, w8a8=w8a8))
+                    plan=plan or LinearPlan.default(w8a8=w8a8))
 
     def _build(self, codes: torch.Tensor, scales: torch.Tensor, w8a8_scales: torch.Tensor | None, *,
                dtype: torch.dtype, plan: LinearPlan) -> None:
@@ -375,8 +332,8 @@ class Int8Linear(RowPlanned):
         self.register_buffer("weight_int8", codes, persistent=False)  # (N, K)
         self.register_buffer("scales", scales, persistent=False)  # (N,)
         self.register_buffer("w8a8_scales", w8a8_scales, persistent=False)
-        if plan.int8_dot is not None or plan.native_dequant is not None:
-            raise ValueError("the native kernels run 4-bit weights, not int8 ones")
+        if plan.int8_dot is not None:
+            raise ValueError("the int8-dot kernel runs 4-bit weights, not int8 ones")
         self._take_plan(plan)
 
     def with_plan(self, plan: LinearPlan) -> Int8Linear:

@@ -1,13 +1,8 @@
-"""The dense path's 4-bit dequantization as one C++ pass (dequant_int4.cpp).
-
-Why: a prompt chunk dequantizes every 4-bit matrix it runs dense, and torch's six elementwise passes
-cost a large share of the chunk's time (benchmarks/decode_step.py profiles a step's ops), which also
-kept short chunks on the weight-only kernel, whose cost grows with rows. No stock op fuses
-nibble unpacking with the group affine.
+"""The int8-dot kernel (int4_dot.cpp): 4-bit weights x int8 activations for the weight-only calls.
 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py); a build that
-fails (no compiler) or a kernel that disagrees with the pure-torch path is logged and left out, and
-the torch path runs.
+fails (no compiler) or a kernel that disagrees with the fp32 product is logged and left out, and torch's
+weight-only kernel runs.
 """
 
 from __future__ import annotations
@@ -21,15 +16,8 @@ import torch
 
 from decodeservice.engine.cpp_extensions import build_extension
 
-SOURCE = Path(__file__).with_name("dequant_int4.cpp")
 DOT_SOURCE = Path(__file__).with_name("int4_dot.cpp")
 GROUP = 32  # the int8-dot kernel's group size: GGUF's Q4_0/Q4_1 block, and quantize_int4's default
-
-
-@functools.cache
-def dequant_extension() -> ModuleType | None:
-    """The built extension, or None (disabled, no toolchain, or wrong results: logged)."""
-    return build_extension(SOURCE, what="dequantization", check=_agrees)
 
 
 @functools.cache
@@ -88,51 +76,12 @@ def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return x.new_empty(x.shape[0], codes.shape[0] * TILE_COLUMNS)
 
 
-def dequantize_int4(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, dtype: torch.dtype,
-                    *, module: ModuleType) -> torch.Tensor:
-    """(N, K/2) uint8 codes, (K/G, N', 2) bf16 scale and zero -> (N, K) `dtype`."""
-    if torch.compiler.is_compiling():  # a compiled step whose rows go dense (a plan that chose dense from 1 row)
-        traced: torch.Tensor = _dequantize_op(codes, scale_zeros, group, dtype)
-        return traced
-    out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
-    module.dequantize_int4(codes, scale_zeros, group, out)
-    return out
-
-
-@torch.library.custom_op("decodeservice::dequantize_int4", mutates_args=())
-def _dequantize_op(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    module = dequant_extension()
-    assert module is not None, "a module dequantizes natively only where the extension was built"
-    out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
-    module.dequantize_int4(codes, scale_zeros, group, out)
-    return out
-
-
-@_dequantize_op.register_fake
-def _(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype)
-
-
 def _reference_weight(codes: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
     """The layout's formula in fp32 torch ops, groups of 32: (N, K/2) codes -> (N, K)."""
     n, k = codes.shape[0], codes.shape[1] * 2
     nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).view(n, k // GROUP, GROUP).float()
     scale, zero = scale_zeros[:, :n].float().unbind(-1)  # (K/G, N)
     return ((nibbles - 8) * scale.t().unsqueeze(-1) + zero.t().unsqueeze(-1)).view(n, k)
-
-
-def _agrees(module: ModuleType) -> bool:
-    """The kernel against the same formula in torch, on random codes, every odd shape of the layout
-    included (padded rows, two groups)."""
-    gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 256, (37, 32), dtype=torch.uint8, generator=gen)  # K = 64: two groups of 32
-    scale_zeros = torch.randn(2, 48, 2, generator=gen).to(torch.bfloat16)  # 48 >= 37 rows: padded
-    reference = _reference_weight(codes, scale_zeros)
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        value = dequantize_int4(codes, scale_zeros, 32, dtype, module=module).float()
-        if not torch.allclose(value, reference.to(dtype).float(), rtol=tolerance, atol=tolerance):
-            return False
-    return True
 
 
 def _dot_agrees(module: ModuleType) -> bool:

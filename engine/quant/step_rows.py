@@ -28,10 +28,6 @@ def tiled_linear(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]
 class StepRows:
     """What one forward's rows are, built by the runner for its step and passed to every projection.
 
-    `prompt_only`: prompt rows only, no decode or verify row, so the dense path may take a chunk of fewer
-    than DENSE_MIN_ROWS rows (a prompt's last chunk, often short) where it measured faster: no decoded
-    token's numerics depend on it.
-
     `prompt_rows` / `other_rows`: where the step holds prompt rows (attention.SequenceSpan.prompt), their
     indices and the others'. A prompt row must compute the same function whatever the number of rows it
     came with: a prefix-cache hit leaves a short tail of the prompt where the miss ran it in one long
@@ -39,7 +35,6 @@ class StepRows:
     for many) gave the hit other numbers than the miss. Prompt rows take one path (RowPlanned.prompt_path),
     and the step's other rows, split off, keep theirs."""
 
-    prompt_only: bool = False
     prompt_rows: torch.Tensor | None = None  # (P,) row indices; None: the step holds no prompt row
     other_rows: torch.Tensor | None = None  # (N - P,); None: every row is a prompt row (or none is)
     # The engine's deterministic mode (EngineConfig.deterministic, the runner's from its construction): every

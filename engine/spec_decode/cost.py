@@ -29,7 +29,7 @@ import torch
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.plan.execution import MEASURED_NOW
 from decodeservice.engine.quant.cpu import detect_cpu
-from decodeservice.engine.quant.kernel_plan import plan_cache_path, read_cached, write_cached
+from decodeservice.engine.quant.plan_cache import plan_cache_path, read_cached, write_cached
 from decodeservice.engine.runner import ModelRunner
 from decodeservice.engine.sampling_params import SamplingParams
 from decodeservice.engine.scheduler import ScheduledSequence, SchedulerPlan

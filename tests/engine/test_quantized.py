@@ -26,7 +26,6 @@ from decodeservice.engine.quant import (
 )
 from decodeservice.engine.quant.cpu import detect_cpu
 from decodeservice.engine.quant.int4 import QUANTIZE_ROWS, pack_nibbles, unpack_nibbles
-from decodeservice.engine.quant.linear import DENSE_ROWS
 from decodeservice.engine.quant.step_rows import StepRows
 from tests.conftest import ModelBundle
 from tests.engine.test_loader import write_tiny_gguf
@@ -83,9 +82,9 @@ def test_int4_linear_matches_its_dequantized_weight(group_size: int) -> None:
     # One row and several rows through the same kernel give the same row (speculation relies on it).
     linear = Int4Linear(q)
     torch.testing.assert_close(linear(x[:1]), got[:1], rtol=0, atol=0)
-    # The dense path (prompt chunks) dequantizes our own codes, never the kernel's ISA-specific layout.
+    # The reference dequantizes our own codes, never the kernel's ISA-specific layout.
     torch.testing.assert_close(linear.dense_weight(torch.float32), dense, rtol=1e-2, atol=1e-2)
-    rows = torch.randn(DENSE_ROWS, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    rows = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     want_rows = rows.float() @ dense.t()
     torch.testing.assert_close(linear(rows).float(), want_rows, rtol=2e-2, atol=2e-2 * float(want_rows.abs().max()))
     # fp32 activations (CPUs without native bf16): the kernel still gets bf16 rows, the caller fp32 back.

@@ -1,5 +1,5 @@
 """engine/quant/cpu.py and kernel_plan.py: the CPU's capabilities as read, the activation choice, the
-measured row thresholds and their cache, and the load-time self-check that refuses a wrong fast path.
+measured routes and their cache, and the load-time self-check that refuses a wrong fast path.
 
 The whole file also runs under the AVX2 caps of scripts/test.sh (ATen, oneDNN, MKL), where
 torch packs the int4 kernel's weights in its AVX2 layout and bf16 is not native."""
@@ -21,9 +21,9 @@ from decodeservice.engine.quant.kernel_plan import (
     KernelPlan,
     ProjectionShape,
     choose_activations,
-    first_win,
     plan_kernels,
 )
+from decodeservice.engine.quant.kernel_race import first_win
 from decodeservice.engine.quant.linear import LinearPlan
 from decodeservice.engine.quant.self_check import self_check
 
@@ -94,18 +94,18 @@ def test_self_check_passes_the_kernels_of_this_machine(dtype: torch.dtype) -> No
     for module in (Int4Linear(quantize_int4(gaussian(200, 128, 0)), dtype=dtype, w8a8=True),
                    Int8Linear(gaussian(200, 128, 1), dtype=dtype, w8a8=True)):
         assert self_check("m", module, dtype=dtype) == ([], module.plan)
-        assert module.dense_from != 1 and module.w8a8_from is not None
+        assert not module.plan.reference_only and module.w8a8_from is not None
 
 
-def test_self_check_refuses_a_kernel_layout_it_misreads_and_falls_back_to_dense() -> None:
+def test_self_check_refuses_a_kernel_layout_it_misreads_and_falls_back_to_the_reference() -> None:
     """What broke on AVX2: code that assumed the AVX-512 packing. Here the kernel's packed bytes are
     scrambled (a layout the kernel does not expect); the check must notice and route every call to
-    the dense path on our own codes, which stays right."""
+    the reference on our own codes, which stays right."""
     module = Int4Linear(quantize_int4(gaussian(128, 128, 2)), dtype=torch.float32)
     module.packed = module.torch_packing().flip(0).contiguous()
     failed, checked = self_check("layers.0.mlp.down_proj", module, dtype=torch.float32)
     assert len(failed) == 1 and "weight-only kernel off" in failed[0] and "layers.0.mlp.down_proj" in failed[0]
-    assert checked.dense_from == 1
+    assert checked.reference_only
     module = module.with_plan(checked)  # the same scrambled copy, built with the checked plan
     x = gaussian(1, 128, 3)
     torch.testing.assert_close(module(x), reference(module, x), rtol=1e-5, atol=1e-4)
@@ -144,20 +144,19 @@ def test_plan_measures_each_shape_once_caches_it_and_sets_every_module(tmp_path:
     assert set(plan.shapes) == {"Int4Linear 192x64", "Int8Linear+w8a8 head 320x64"}
     int4 = plan.shapes["Int4Linear 192x64"]
     # prompt chunks against a packed dense copy too, where oneDNN has one (prompt_weights.py)
-    assert set(int4.timings_ms) - {"prompt_prompt_path", "prompt_packed", "prompt_int8_best", "prompt_int8_int8"} == {
-        "weight_only", "dense"}
-    assert all(ms > 0 for ms in int4.timings_ms["dense"].values())
+    assert set(int4.timings_ms) <= {"prompt_prompt_path", "prompt_packed", "prompt_int8_best", "prompt_int8_int8"}
+    assert all(ms > 0 for rungs in int4.timings_ms.values() for ms in rungs.values())
     copies = [m for m in (model.a, model.b) if m.prompt_weight is not None]
     assert (len(copies) == 2) == int4.prompt_packed  # the memory rule takes all of a small model's copies
     assert plan.prompt_copy_bytes == sum(m.out_features * m.in_features * 4 for m in copies)  # fp32 copies
     assert model.lm_head.prompt_weight is None  # the head never sees a prompt chunk
     assert "w8a8" in plan.shapes["Int8Linear+w8a8 head 320x64"].timings_ms
-    assert model.a.dense_from == model.b.dense_from == int4.dense_from
+    assert model.a.plan == model.b.plan == plan.linear(INT4_192x64)
     described = plan.describe()
     json.dumps(described)  # what /v1/models serves
     rows = described["rows"]["Int4Linear 192x64"]
-    assert described["activations"] == "float32" and rows["dense_from_prompt_only"] == int4.dense_from
-    assert rows["dense_from"] == int4.mixed_dense_from
+    assert described["activations"] == "float32" and rows["w8a8_from"] == int4.w8a8_from
+    assert rows["prompt_packed"] == int4.prompt_packed
     # A second load reads the cache (no measurement), and still self-checks.
     (cached_file,) = tmp_path.glob("plan-*.json")
     again = plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path)
@@ -187,31 +186,23 @@ def test_w8a8_runs_only_where_the_int8_gemm_is_exact(tmp_path: Path) -> None:
         assert any("torch._int_mm is not exact" in line for line in plan.fallbacks)
 
 
-def test_the_dense_path_takes_short_prompt_chunks_but_never_a_decode_step() -> None:
-    """A decode batch or verify keeps the weight-only kernel below DENSE_MIN_ROWS whatever the plan
-    measured (a stream's tokens must not depend on its batch); a prompt-only step of as many rows goes
-    dense where that measured faster (the short last chunk of a prompt)."""
-    from decodeservice.engine.compiled_step import MAX_ROWS
-    from decodeservice.engine.quant.linear import DENSE_MIN_ROWS, StepRows
+def test_the_reference_takes_every_call_where_the_kernel_failed_its_self_check() -> None:
+    """A plan whose weight-only kernel failed its self-check: decode rows and prompt rows alike take the
+    reference, a GEMM on the weights dequantized from the project's own codes (prompt rows ROW_TILE-padded)."""
+    from decodeservice.engine.quant.linear import StepRows
 
-    assert DENSE_MIN_ROWS > MAX_ROWS
-    # as a plan that measured dense faster from 16 rows
     module = Int4Linear(quantize_int4(gaussian(192, 64, 8)), dtype=torch.float32,
-                        plan=LinearPlan(dense_from=16, w8a8_from=None))
-    x = gaussian(MAX_ROWS, 64, 9)
-    weight_only = module.weight_only(x.to(torch.bfloat16)).float()
-    dense = F.linear(x, module.dense_weight(torch.float32))
-    assert not torch.equal(weight_only, dense)  # the two paths are told apart by their bits
-    assert torch.equal(module(x), weight_only)  # a decode step of MAX_ROWS rows: weight-only
-    prompt_only = StepRows(prompt_only=True)
-    assert torch.equal(module(x, prompt_only), dense)  # the same rows as a prompt chunk: dense
-    # below the plan's 16
-    assert torch.equal(module(x[:15], prompt_only), module.weight_only(x[:15].to(torch.bfloat16)).float())
-    module = module.with_plan(LinearPlan(dense_from=1, w8a8_from=None))  # the kernel failed its self-check: all dense
-    assert torch.equal(module(x[:1]), F.linear(x[:1], module.dense_weight(torch.float32)))
+                        plan=LinearPlan(w8a8_from=None, reference_only=True))
+    x = gaussian(20, 64, 9)
+    weight = module.dense_weight(torch.float32)
+    assert not torch.equal(module.weight_only(x.to(torch.bfloat16)).float(), F.linear(x, weight))  # told apart
+    assert torch.equal(module(x[:1]), F.linear(x[:1], weight))
+    prompt = StepRows(prompt_rows=torch.arange(20))
+    padded = torch.cat([x, x.new_zeros(12, 64)])
+    assert torch.equal(module(x, prompt), F.linear(padded, weight)[:20])
 
 
-def test_the_runner_marks_prompt_only_steps(tmp_path: Path) -> None:
+def test_the_runner_hands_each_step_its_rows(tmp_path: Path) -> None:
     """What the runner tells the modules, step by step, on a tiny int4 model."""
     from decodeservice.engine import Engine, SamplingParams
     from decodeservice.engine.model import ForwardBatch
@@ -233,6 +224,5 @@ def test_the_runner_marks_prompt_only_steps(tmp_path: Path) -> None:
     engine.generate([[3, 4, 5, 6, 7] * 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     # 40 prompt tokens in chunks of 16: three prompt-only steps (the last, of 8 rows, samples the first
     # token), then two decode steps
-    assert [rows.prompt_only for rows in told] == [True] * 3 + [False] * 2
     assert [None if rows.prompt_rows is None else rows.prompt_rows.shape[0] for rows in told] == [16, 16, 8, None, None]
     assert all(rows.other_rows is None and not rows.deterministic for rows in told)

@@ -58,7 +58,7 @@ def test_each_projection_is_built_with_its_part_of_the_plan_and_never_set_after(
     for name, module in projections.items():
         assert module in built
         assert module.plan is kernels.linears[shape_key(name, module)]  # the very object the plan describes
-        assert (module.dense_from, module.w8a8_from) == (module.plan.dense_from, module.plan.w8a8_from)
+        assert module.w8a8_from == module.plan.w8a8_from
     described = engine.plan.describe()["kernels"]["rows"]
     assert set(described) == {shape_key(name, m) for name, m in projections.items()}
     # The recorder sees an assignment where there is one: the check above can fail.
@@ -69,16 +69,16 @@ def test_each_projection_is_built_with_its_part_of_the_plan_and_never_set_after(
 
 
 def test_the_plan_is_frozen_and_the_modules_offer_no_setter() -> None:
-    plan = LinearPlan.default(int4=True, w8a8=False)
+    plan = LinearPlan.default(w8a8=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.dense_from = 1  # type: ignore[misc]
+        plan.reference_only = True  # type: ignore[misc]
     for cls in (RowPlanned, Int4Linear, Int8Linear):
         own = [name for name in vars(cls) if not name.startswith("_")]
         assert not [name for name in own if name.startswith(("set_", "use_", "pack_", "release_"))], cls
-        for name in ("plan", "dense_from", "w8a8_from", "int8_dot", "native_dequant"):
+        for name in ("plan", "w8a8_from", "int8_dot"):
             assert not isinstance(vars(cls).get(name), property) or vars(cls)[name].fset is None
     # Another plan is another module, on the same weights.
     module = Int8Linear(torch.randn(32, 64), dtype=torch.float32)
-    other = module.with_plan(LinearPlan(dense_from=1, w8a8_from=None))
+    other = module.with_plan(LinearPlan(w8a8_from=None, reference_only=True))
     assert other is not module and other.weight_int8 is module.weight_int8
-    assert module.dense_from is None and other.dense_from == 1
+    assert not module.plan.reference_only and other.plan.reference_only

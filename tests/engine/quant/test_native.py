@@ -1,4 +1,4 @@
-"""engine/quant/native.py: the C++ dequantization and int8-dot kernels are built here (g++ is on every
+"""engine/quant/native.py: the C++ int8-dot kernel is built here (g++ is on every
 machine of this project), agree with the torch paths they replace, and are refused where they do not.
 
 Runs under the AVX2 caps of scripts/test.sh too, where the kernel is built again with AVX2 flags only."""
@@ -20,7 +20,6 @@ from decodeservice.engine.quant.kernel_plan import ActivationChoice, ProjectionS
 from decodeservice.engine.quant.linear import LinearPlan
 from decodeservice.engine.quant.native import (
     DOT_SOURCE,
-    dequant_extension,
     int4_dot_extension,
     int4_dot_matmul,
     tile_codes,
@@ -32,55 +31,9 @@ def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def extension() -> types.ModuleType:
-    module = dequant_extension()
-    assert module is not None, "the native kernel should build wherever g++ and torch's headers are"
-    return module
-
-
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 100, 192])  # 100: the kernel's copy is padded to 128 rows
-def test_native_dequantization_matches_the_torch_path(extension: types.ModuleType, group_size: int,
-                                                      rows: int) -> None:
-    module = Int4Linear(quantize_int4(gaussian(rows, 256, rows), group_size=group_size))
-    with_native = module.with_plan(replace(module.plan, native_dequant=extension))
-    for dtype in (torch.float32, torch.bfloat16):
-        reference = module.torch_dense_weight(dtype)
-        native = with_native.dense_weight(dtype)
-        assert native.dtype == dtype and native.shape == reference.shape
-        # fp32: a fused multiply-add's last bit at most; bf16: one rounding here, three in torch's ops
-        step = reference.float().abs().max().item() * (2**-7 if dtype == torch.bfloat16 else 2**-20)
-        torch.testing.assert_close(native.float(), reference.float(), rtol=0, atol=step)
-
-
-def test_the_plan_runs_the_dense_path_through_it_and_says_so(extension: types.ModuleType, tmp_path: object) -> None:
-    shape = ProjectionShape(int4=True, out_features=192, in_features=64, group_size=32, w8a8=False, head=False)
-    plan = plan_kernels([shape], activations=ActivationChoice(dtype=torch.float32, reason="test"),
-                        cache_dir=tmp_path)  # type: ignore[arg-type]
-    proj = Int4Linear(quantize_int4(gaussian(192, 64, 5)), dtype=torch.float32, plan=plan.linear(shape))
-    assert proj.native_dequant is extension
-    assert plan.native_dequant and plan.describe()["native_dequant"] is True
-
-
-def test_self_check_turns_off_a_native_kernel_that_disagrees(extension: types.ModuleType) -> None:
-    class Shifted:  # the real kernel, off by one code step: what a misread layout would look like
-        @staticmethod
-        def dequantize_int4(codes: torch.Tensor, scale_zeros: torch.Tensor, group: int, out: torch.Tensor) -> None:
-            extension.dequantize_int4(codes.roll(1, dims=0).contiguous(), scale_zeros, group, out)
-
-    module = Int4Linear(quantize_int4(gaussian(128, 64, 6)), dtype=torch.float32,
-                        plan=LinearPlan(dense_from=None, w8a8_from=None, native_dequant=Shifted))  # type: ignore[arg-type]
-    failed, checked = self_check("layers.3.mlp.down_proj", module, dtype=torch.float32)
-    assert failed and "native dequantization off" in failed[0] and "layers.3.mlp.down_proj" in failed[0]
-    module = module.with_plan(checked)
-    assert module.native_dequant is None
-    torch.testing.assert_close(module.dense_weight(torch.float32), module.torch_dense_weight(torch.float32))
-
-
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, "0")
-    assert dequant_extension.__wrapped__() is None  # the uncached function: the env is read per build
+    assert int4_dot_extension.__wrapped__() is None  # the uncached function: the env is read per build
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +51,7 @@ def test_int8_dot_kernel_is_as_close_as_w8a8_and_batch_invariant(int8_dot: types
     n, k = shape
     module = Int4Linear(quantize_int4(gaussian(n, k, n)))
     x = gaussian(33, k, k).to(torch.bfloat16)
-    reference = x.float() @ module.torch_dense_weight(torch.float32).t()
+    reference = x.float() @ module.dense_weight(torch.float32).t()
     tiles = tile_codes(module.codes, module.scale_zeros)
     batch = int4_dot_matmul(x, tiles, module=int8_dot)
     error = float((batch.float() - reference).norm() / reference.norm())
@@ -123,7 +76,7 @@ def test_self_check_turns_off_an_int8_dot_kernel_that_disagrees(int8_dot: types.
             int8_dot.int4_matmul(x, codes.roll(1, dims=0).contiguous(), scale_zeros, out)
 
     module = Int4Linear(quantize_int4(gaussian(128, 64, 7)), dtype=torch.float32,
-                        plan=LinearPlan(dense_from=None, w8a8_from=None, int8_dot=Shifted))  # type: ignore[arg-type]
+                        plan=LinearPlan(w8a8_from=None, int8_dot=Shifted))  # type: ignore[arg-type]
     failed, checked = self_check("layers.1.self_attn.o_proj", module, dtype=torch.float32)
     assert failed and "int8-dot kernel off" in failed[0] and module.with_plan(checked).int8_dot is None
     assert failed == [failed[0]]  # torch's kernel, now in use again, passes

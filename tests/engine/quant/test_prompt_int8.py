@@ -26,7 +26,7 @@ def gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
 def int8_module(dtype: torch.dtype) -> Int4Linear:
     # a plan whose prompt route is the weight-only kernel, but for the int8 copy
     module = Int4Linear(quantize_int4(gaussian(96, 128, 0)), dtype=dtype,
-                        plan=LinearPlan(dense_from=None, w8a8_from=None, prompt_copy="int8"))
+                        plan=LinearPlan(w8a8_from=None, prompt_copy="int8"))
     assert module.prompt_int8 is not None
     return module
 
@@ -46,7 +46,7 @@ def test_prompt_rows_on_the_int8_copy_compute_the_weights_and_their_own_bits_at_
         assert torch.equal(module.prompt_path(x[-count:]), full[-count:])
     assert self_check("layers.0.mlp.down_proj", module, dtype=dtype) == ([], module.plan)
     assert module.prompt_int8 is not None
-    module = module.with_plan(LinearPlan(dense_from=None, w8a8_from=None))
+    module = module.with_plan(LinearPlan(w8a8_from=None))
     assert torch.equal(module.prompt_path(x), module.weight_only_rows(x))  # dropped: back on the planned path
 
 

@@ -22,7 +22,7 @@ def packed_module(dtype: torch.dtype) -> Int4Linear:
         pytest.skip(f"no oneDNN packed linear in {dtype} on this dispatch")
     # a plan whose prompt route is the weight-only kernel, but for the packed copy
     module = Int4Linear(quantize_int4(gaussian(96, 128, 0)), dtype=dtype,
-                        plan=LinearPlan(dense_from=None, w8a8_from=None, prompt_copy="packed"))
+                        plan=LinearPlan(w8a8_from=None, prompt_copy="packed"))
     assert module.prompt_weight is not None
     return module
 
