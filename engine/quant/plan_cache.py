@@ -30,7 +30,9 @@ T = TypeVar("T")
 # and it beat the packed dense copy (prompt_weights.Int8Copy); 11: that int8 copy only under `--w8a8`;
 # 12: no dense path and no native dequantization (they lost to the weight-only kernel at every row count on
 # both dispatches: benchmarks/results/route_audit_dense_path.json), so no dense thresholds in the plan
-PLAN_VERSION = 12
+# 13: the int8-dot kernel's vectorized quantization and row split (its results moved by a sum's rounding,
+# and it now beats the packed copies at prompt sizes: a plan measured before would keep those copies)
+PLAN_VERSION = 13
 
 
 def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,
