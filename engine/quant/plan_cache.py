@@ -1,12 +1,13 @@
 """Where start-up measurements are kept between restarts: the kernel plan's (kernel_plan.py), the bf16
 verdict, the speculation cost (spec_decode/cost.py). One JSON file per measurement and identity, the
-identity being everything the figures depend on: the plan's layout version, the CPU model, ISA caps,
-thread count, torch version, dtype and the shapes measured. `$DECODESERVICE_KERNEL_CACHE`, else
+identity being everything the figures depend on: the plan's layout version, the engine's C++ kernels'
+sources, the CPU model, ISA caps, thread count, torch version, dtype and the shapes measured. `$DECODESERVICE_KERNEL_CACHE`, else
 ~/.cache/decodeservice/kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -35,9 +36,21 @@ T = TypeVar("T")
 PLAN_VERSION = 13
 
 
+@functools.cache
+def kernel_sources_digest() -> str:
+    """The engine's C++ kernels (the int8-dot GEMM, the paged attention kernel), hashed: a plan timed on one
+    build of them says nothing about another, so a changed kernel is measured again without a version bump."""
+    engine = Path(__file__).resolve().parent.parent
+    sources = sorted([*engine.rglob("*.cpp"), *engine.rglob("*.h")])
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.relative_to(engine).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:20]
+
+
 def plan_cache_path(cache_dir: Path | None, cpu: CpuCapability, dtype: torch.dtype, keys: list[str], *,
                     prefix: str = "plan") -> Path:
-    identity = {"version": PLAN_VERSION, "cpu": cpu.model_name, "aten": cpu.aten, "onednn": cpu.onednn_max_isa,
+    identity = {"version": PLAN_VERSION, "kernels": kernel_sources_digest(), "cpu": cpu.model_name, "aten": cpu.aten, "onednn": cpu.onednn_max_isa,
                 "mkl": cpu.mkl_instructions, "flags": sorted(cpu.flags), "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "activations": str(dtype), "shapes": keys}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]

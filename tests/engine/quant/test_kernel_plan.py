@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodeservice.engine.quant import Int4Linear, Int8Linear, quantize_int4
+from decodeservice.engine.quant import Int4Linear, Int8Linear, plan_cache, quantize_int4
 from decodeservice.engine.quant.cpu import CpuCapability, detect_cpu, int8_gemm_is_exact
 from decodeservice.engine.quant.kernel_plan import (
     ActivationChoice,
@@ -170,6 +170,15 @@ def test_plan_cache_is_keyed_by_the_machine(tmp_path: Path) -> None:
     fp32 = ActivationChoice(dtype=torch.float32, reason="test")
     plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 fma", aten="AVX2"))
     plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path, cpu=cpu("avx2 avx512_bf16"))
+    assert len(list(tmp_path.glob("plan-*.json"))) == 2
+
+
+def test_plan_cache_is_keyed_by_the_kernels_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan timed on one build of the C++ kernels is not read back for another build."""
+    fp32 = ActivationChoice(dtype=torch.float32, reason="test")
+    plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path)
+    monkeypatch.setattr(plan_cache, "kernel_sources_digest", lambda: "another build")
+    assert plan_kernels(TWO_LAYERS, activations=fp32, cache_dir=tmp_path).source == "measured"
     assert len(list(tmp_path.glob("plan-*.json"))) == 2
 
 
