@@ -1,11 +1,14 @@
-"""The engine at a base revision against the working tree, on benchmarks/decode_step.py: one decode step at
-1 and 32 streams and a verify's step, in interleaved rounds (the order alternating), both CPU dispatches.
-JSON out, with each round's after/before ratio, their median and range, and the load average.
+"""The engine at a base revision against the working tree (or another revision), on benchmarks/decode_step.py:
+one decode step at 1 and 32 streams and a verify's step, in interleaved rounds (the order alternating), both
+CPU dispatches; eager, or with `--compile` the compiled step (EngineConfig.compile). JSON out, with each
+round's after/before ratio, their median and range, each child's time (start-up included: with --compile the
+first child of a side compiles cold, the others load inductor's on-disk cache), and the load average.
 
-    .venv/bin/python -P benchmarks/plan_before_after.py --base REV [--rounds 3] [--dispatches native,avx2] --out FILE
+    .venv/bin/python -P benchmarks/plan_before_after.py --base REV [--after REV] [--compile] [--rounds 3]
+        [--dispatches native,avx2] --out FILE
 
-The base is exported as base_revision.py does it; both sides run this tree's decode_step.py, whose calls
-(Engine.from_pretrained, runner.execute, step) both revisions share. Ratios below 1 are the tree faster.
+Revisions are exported as base_revision.py does it; both sides run this tree's decode_step.py, whose calls
+(Engine.from_pretrained, runner.execute, step) the revisions share. Ratios below 1 are the after side faster.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ FIGURES = {
 }
 
 
-def run_side(pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, Any]:
+def run_side(pythonpath: Path | None, dispatch: str, out: Path, *, compile_step: bool) -> dict[str, Any]:
     env = side_env(pythonpath, dispatch)
     started, load = time.perf_counter(), load_average()
     subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "decode_step.py"), "--threads", "2", "--out",
-                    str(out)], env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                    str(out), *(["--compile"] if compile_step else [])],
+                   env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     figures: dict[str, Any] = {}
     for name, keys in FIGURES.items():
@@ -47,24 +51,29 @@ def run_side(pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, Any
 
 
 def main() -> int:
-    args = parser(__doc__).parse_args()
+    args_parser = parser(__doc__)
+    args_parser.add_argument("--after", help="git revision of the after side (default: the working tree)")
+    args_parser.add_argument("--compile", action="store_true", help="time the compiled step (decode_step.py --compile)")
+    args = args_parser.parse_args()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    report: dict[str, Any] = {"base": args.base, "tree_head": head.strip(), "rounds": args.rounds,
+    report: dict[str, Any] = {"base": args.base, "after": args.after or "working tree", "compile": args.compile,
+                              "tree_head": head.strip(), "rounds": args.rounds,
                               "cpu": next((line.split(":", 1)[1].strip() for line in
                                            Path("/proc/cpuinfo").read_text().splitlines()
                                            if line.startswith("model name")), "unknown"),
                               "by_dispatch": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        base_path = export(args.base, Path(tmp) / "base")
+        paths = {"before": export(args.base, Path(tmp) / "base"),
+                 "after": export(args.after, Path(tmp) / "after") if args.after else None}
         for dispatch in args.dispatches.split(","):
             rounds = []
             for r in range(args.rounds):
                 order = ("before", "after") if r % 2 == 0 else ("after", "before")
-                sides = {side: run_side(base_path if side == "before" else None, dispatch,
-                                        Path(tmp) / f"{dispatch}-{r}-{side}.json") for side in order}
+                sides = {side: run_side(paths[side], dispatch, Path(tmp) / f"{dispatch}-{r}-{side}.json",
+                                        compile_step=args.compile) for side in order}
                 rounds.append({"order": list(order), **sides})
                 print(f"{dispatch} round {r}: " + ", ".join(
-                    f"{side} {sides[side]['figures']}" for side in order), file=sys.stderr, flush=True)
+                    f"{side} {sides[side]['figures']} in {sides[side]['seconds']} s" for side in order), file=sys.stderr, flush=True)
             ratios = {name: [x["after"]["figures"][name] / x["before"]["figures"][name] for x in rounds]
                       for name in FIGURES}
             report["by_dispatch"][dispatch] = {

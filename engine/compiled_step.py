@@ -42,10 +42,11 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # Steps of at most this many rows run compiled: decode batches up to max_num_seqs' default, and verifies.
 MAX_ROWS = 64
 
-# The op's step, set around each call. Handing it to the op as an argument instead (torch's opaque
-# reference objects: a graph input with no guards) does not build with cpp_wrapper on torch 2.13 (its C++
-# wrapper cannot pass an opaque object to a custom op); without cpp_wrapper it does, at the Python
-# wrapper's cost: benchmarks/compiled_step_before_after.py measures the two (README there).
+# The step's data (caches, metadata) for the op, set around each call; it chooses no kernel (the plan did,
+# at construction). Handing it to the op as an argument instead (torch's opaque reference objects: a graph
+# input with no guards) does not build with cpp_wrapper on torch 2.13 (its C++ wrapper cannot pass an
+# opaque object to a custom op); without cpp_wrapper it does, and a verify's step took longer
+# (benchmarks/results/compiled_step_opaque_arg.json, plan_before_after.py --compile).
 _STEP: ContextVar[tuple[KVCaches, StepAttention]] = ContextVar("decodeservice_compiled_step")
 
 
