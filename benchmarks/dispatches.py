@@ -19,6 +19,14 @@ def caps_in_effect() -> dict[str, str]:
     return {k: os.environ[k] for k in AVX2_CAPS if k in os.environ}
 
 
+def cpu_name() -> str:
+    """/proc/cpuinfo's model name: what a result was measured on."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def report(result: dict[str, Any]) -> None:
     """In the child: hand `result` to the parent."""
     print(RESULT + json.dumps(result), flush=True)

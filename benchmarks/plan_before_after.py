@@ -23,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from base_revision import ROOT, export, load_average, parser, ratio_summary, side_env
+from dispatches import cpu_name
 
 # (name, path into decode_step.py's JSON): milliseconds, lower is better
 FIGURES = {
@@ -58,9 +59,7 @@ def main() -> int:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     report: dict[str, Any] = {"base": args.base, "after": args.after or "working tree", "compile": args.compile,
                               "tree_head": head.strip(), "rounds": args.rounds,
-                              "cpu": next((line.split(":", 1)[1].strip() for line in
-                                           Path("/proc/cpuinfo").read_text().splitlines()
-                                           if line.startswith("model name")), "unknown"),
+                              "cpu": cpu_name(),
                               "by_dispatch": {}}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"before": export(args.base, Path(tmp) / "base"),

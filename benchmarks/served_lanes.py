@@ -117,10 +117,10 @@ class InProcessLane:
 def child() -> int:
     """Serve batches from stdin: add them all at once, step to the end, report each one's clocks.
 
-    The steps run on a thread of their own, as the server's engine loop does: here (AMD EPYC, 2 cores,
-    load average 10-14) torch ops issued from the main thread with 2 OpenMP threads ran 26-60x slower than
-    the same ops from a second thread (OMP_WAIT_POLICY=passive or 1 thread removed the gap), which
-    would make the in-process lane a broken baseline rather than the engine's own speed."""
+    One thread of its own builds the engine and steps it, as the server's engine loop does
+    (`AsyncEngine.launch`): a second thread that had run torch's parallel regions (the loader's, here
+    the main thread's) keeps an OpenMP pool alive, and libgomp then throttles its spin-wait at every
+    barrier (benchmarks/step_thread_layout.py)."""
     import queue
     import threading
 
@@ -128,16 +128,7 @@ def child() -> int:
 
     from decodeservice.engine import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(MODEL)  # the defaults `decodectl engine` serves with
-    plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {}
-    print(json.dumps({"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "torch_threads": torch.get_num_threads(), "weights": engine.model.weight_format,
-                      "activations": str(engine.dtype).removeprefix("torch."),
-                      "prompt_copy_bytes": plan.get("prompt_copy_bytes"),
-                      "kernel_rows": plan.get("rows"),
-                      "steps_on": "a second thread, as the server's engine loop"}), flush=True)
-
-    def run_batch(batch: list[dict[str, Any]]) -> list[dict[str, float]]:
+    def run_batch(engine: Engine, batch: list[dict[str, Any]]) -> list[dict[str, float]]:
         start: dict[str, float] = {}
         first: dict[str, float] = {}
         tokens: dict[str, int] = {}
@@ -163,8 +154,16 @@ def child() -> int:
     batches: queue.SimpleQueue[list[dict[str, Any]] | None] = queue.SimpleQueue()
 
     def loop() -> None:
+        engine = Engine.from_pretrained(MODEL)  # the defaults `decodectl engine` serves with
+        plan = engine.model.kernel_plan.describe() if engine.model.kernel_plan is not None else {}
+        print(json.dumps({"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                          "torch_threads": torch.get_num_threads(), "weights": engine.model.weight_format,
+                          "activations": str(engine.dtype).removeprefix("torch."),
+                          "prompt_copy_bytes": plan.get("prompt_copy_bytes"),
+                          "kernel_rows": plan.get("rows"),
+                          "steps_on": "the thread that built it, as the server's engine loop"}), flush=True)
         while (batch := batches.get()) is not None:
-            print(json.dumps(run_batch(batch)), flush=True)
+            print(json.dumps(run_batch(engine, batch)), flush=True)
 
     worker = threading.Thread(target=loop, name="engine-steps")
     worker.start()

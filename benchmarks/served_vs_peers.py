@@ -49,6 +49,7 @@ from decodeservice.loadgen.client import BenchRequest
 from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
+from dispatches import caps_in_effect, cpu_name
 from json_out import emit
 from served_lanes import MODEL, HttpLane, InProcessLane, Timed
 
@@ -63,7 +64,6 @@ ARTICLE = (
 # vLLM's CPU docs: bind its OpenMP threads to the cores (here every one), its KV cache sized by the flag.
 # PYTHONSAFEPATH: run from the checkout, whose operator/ folder would shadow the standard library's.
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "PYTHONSAFEPATH": "1"}
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 # -- the prompt -------------------------------------------------------------------------------------
@@ -183,8 +183,8 @@ def ratios(lanes: dict[str, dict[str, Any]]) -> dict[str, float]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     body = build_body(args.prompt_tokens)
     report: dict[str, Any] = {
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
-        "env": {k: os.environ[k] for k in AVX2_CAPS if k in os.environ},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "load_avg_at_start": os.getloadavg()},
+        "env": caps_in_effect(),
         "vllm_env": VLLM_ENV,
         "workload": {"prompt_tokens_target": args.prompt_tokens, "output_tokens": args.output_tokens,
                      "singles": args.singles, "streams": args.streams, "rounds": args.rounds,
@@ -232,13 +232,6 @@ def vllm_lane_paths() -> dict[str, str]:
         return {}
     out = subprocess.run(["bash", str(script), "--print-paths"], capture_output=True, text=True, check=False).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> int:

@@ -3,6 +3,12 @@
 The engine is not thread-safe, so only the loop thread touches it. Coroutines hand it commands through
 a queue and receive `RequestOutput`s through per-request asyncio queues. If the loop crashes, every
 pending and future request gets `EngineDeadError` instead of hanging.
+
+`AsyncEngine.launch` builds the engine on the loop thread itself. libgomp gives every thread that opens
+a parallel region a pool of its own; while a second pool lives (the thread that loaded the weights and
+ran the start-up kernel race, kept by asyncio's executor), libgomp counts more threads than CPUs and
+stops spin-waiting at its barriers, so each of a step's hundreds of parallel regions sleeps on a futex
+(benchmarks/step_thread_layout.py measures both layouts).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from decodeservice.engine.engine import EncodedPrompt, Engine, Prompt
@@ -50,7 +56,37 @@ class AsyncEngine:
         self._stats = engine.stats()
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    @classmethod
+    async def launch(cls, factory: Callable[[], Engine]) -> AsyncEngine:
+        """Build the engine on a new thread and step it there: one thread, one OpenMP pool. Raises what
+        `factory` raises; if the caller is cancelled while the engine loads, the thread stops after it."""
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[AsyncEngine] = loop.create_future()
+
+        def hand_over(aengine: AsyncEngine | None, error: BaseException | None) -> None:
+            if built.cancelled():
+                if aengine is not None:
+                    aengine.shutdown(timeout=0)
+            elif error is not None:
+                built.set_exception(error)
+            else:
+                built.set_result(aengine)  # type: ignore[arg-type]
+
+        def build_then_run() -> None:
+            try:
+                aengine = cls(factory())
+            except BaseException as exc:  # handed to the awaiting caller, not lost on this thread
+                loop.call_soon_threadsafe(hand_over, None, exc)
+                return
+            aengine._thread = threading.current_thread()
+            loop.call_soon_threadsafe(hand_over, aengine, None)
+            aengine._run()
+
+        threading.Thread(target=build_then_run, name="decode-engine-loop", daemon=True).start()
+        return await built
+
     def start(self) -> None:
+        """Step an engine built elsewhere on a new thread (tests; the server uses `launch`)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="decode-engine-loop", daemon=True)
             self._thread.start()

@@ -119,9 +119,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 # -- the app ---------------------------------------------------------------------------------------
 async def _load(state: ServerState, engine_factory: Callable[[], Engine], stop: Callable[[], None]) -> None:
     try:
-        engine = await asyncio.to_thread(engine_factory)
-        aengine = AsyncEngine(engine)
-        aengine.start()
+        aengine = await AsyncEngine.launch(engine_factory)
         state.aengine = aengine
         warmup = SamplingParams(max_tokens=1, temperature=0.0)
         async with aclosing(engine_stream(aengine, WARMUP_PROMPT, warmup, request_id="warmup")) as stream:
