@@ -39,6 +39,25 @@ def timed(record: RequestRecord) -> Timed:
                  tokens=record.output_tokens, start=record.start, end=record.end)
 
 
+async def settle(*, busy_below: float = 0.15, window_s: float = 0.2, limit_s: float = 15.0) -> float:
+    """Wait until the CPUs are idle (under `busy_below` busy over a `window_s` window, from /proc/stat), so
+    a lane does not pay for the one before it: vLLM's engine keeps a core busy for about a second after
+    its last request. Returns the seconds waited (`limit_s` at most)."""
+    def busy_total() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(x) for x in stat.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # less idle and iowait
+
+    begun = time.perf_counter()
+    while time.perf_counter() - begun < limit_s:
+        before = busy_total()
+        await asyncio.sleep(window_s)
+        after = busy_total()
+        if after[0] - before[0] < busy_below * max(after[1] - before[1], 1):
+            break
+    return time.perf_counter() - begun
+
+
 # -- lanes ------------------------------------------------------------------------------------------
 class HttpLane:
     def __init__(self, name: str, server: ChildServer, ready_path: str) -> None:

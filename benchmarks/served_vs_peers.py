@@ -20,7 +20,9 @@ One client for every server (`decodectl bench`'s, loadgen/client.py): streamed c
 Every request's prompt is a ~`--prompt-tokens`-token chat message that starts with a fresh random tag, so
 no server finds a cached prefix. All servers are up for the whole run (idle ones wait on a socket) and
 the rounds interleave the lanes, rotating their order, so each round sees one state of a shared machine;
-figures are medians over rounds, and each ratio is kept per round as well.
+before each lane the CPUs settle to idle (`settled_s`: vLLM keeps a core busy for ~1 s after its last
+request, which had slowed the next lane's first request); figures are medians over rounds,
+and each ratio is kept per round as well.
 
 The `in_process` lane is the default engine driven directly (`Engine.add_request` / `step`) in a child
 process that takes the same messages: the same template, the same clocks, no HTTP. served / in-process is
@@ -51,7 +53,7 @@ from decodeservice.loadgen.procs import ChildServer, decodectl, free_port
 sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off the path
 from dispatches import caps_in_effect, cpu_name
 from json_out import emit
-from served_lanes import MODEL, HttpLane, InProcessLane, Timed
+from served_lanes import MODEL, HttpLane, InProcessLane, Timed, settle
 
 ARTICLE = (
     "The city council met on Tuesday to discuss the new public transport plan. The plan adds three bus "
@@ -104,6 +106,7 @@ def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> d
             "streams_over_single": sum(t.tokens for t in burst) / wall / decode,
             "streams_ttft_p50_s": statistics.median(t.ttft for t in burst),
             "streams_wall_s": wall,
+            "singles_ttft_s": [t.ttft for t in singles],
             **({"wrong_output_lengths": short} if short else {})}
 
 
@@ -203,13 +206,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 order = lanes[index % len(lanes):] + lanes[:index % len(lanes)]
                 results: dict[str, dict[str, Any]] = {}
                 for lane in order:
+                    settled_s = await settle()
                     load = os.getloadavg()
                     before = await lane.server_ttft()
                     singles = [(await lane.run([fresh(body, args.output_tokens)]))[0] for _ in range(args.singles)]
                     split = server_share(singles, before, await lane.server_ttft())
                     burst = await lane.run([fresh(body, args.output_tokens) for _ in range(args.streams)])
                     results[lane.name] = {**summarize(singles, burst, args.output_tokens), **split,
-                                          "load_avg_at_start": load}
+                                          "load_avg_at_start": load, "settled_s": settled_s}
                     print(f"round {index + 1} {lane.name}: {json.dumps(results[lane.name])}", file=sys.stderr)
                 per_round.append(results)
         finally:
@@ -217,7 +221,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await lane.stop()
     names = list(per_round[0]) if per_round else []
     report["lanes"] = {name: {key: statistics.median(r[name][key] for r in per_round)
-                              for key in per_round[0][name] if key not in ("wrong_output_lengths", "load_avg_at_start")}
+                              for key in per_round[0][name]
+                              if key not in ("wrong_output_lengths", "load_avg_at_start", "settled_s", "singles_ttft_s")}
                        for name in names}
     report["rounds"] = per_round
     report["ratios"] = ratios(report["lanes"])
