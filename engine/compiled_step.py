@@ -13,8 +13,10 @@ reorder freely around it.
 
 Shapes: one graph for one row (a single stream), one with a symbolic row count for 2..MAX_ROWS rows;
 a branch on the row count inside a projection (W8A8 from W8A8_ROWS rows) splits the latter in two.
-Prompt chunks (more rows) run eager: their time is in large GEMMs, where fusion saves nothing. The
-runner compiles every graph at start-up (runner._warm_up): cold, minutes on 2 cores for the bundled
+Steps with prompt rows run eager, short ones too (a short prompt, a prefix hit's tail): their rows take
+the projections' prompt path (quant/step_rows.py), which would be a second set of graphs for one step
+per request; long chunks spend their time in large GEMMs, where fusion saves nothing. The runner
+compiles every graph at start-up (runner._warm_up, on decode rows): cold, minutes on 2 cores for the bundled
 model (the generated C++ of 30 unrolled layers is what takes the time), seconds from inductor's on-disk
 cache (benchmarks/decode_compile.py records the compile time).
 
@@ -113,7 +115,8 @@ class CompiledStep:
 
     @staticmethod
     def applies_to(batch: ForwardBatch) -> bool:
-        return batch.input_ids.shape[0] <= MAX_ROWS
+        """Decode and verify steps of up to MAX_ROWS rows: no prompt row among them."""
+        return batch.input_ids.shape[0] <= MAX_ROWS and batch.rows.prompt_rows is None
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch, kv_caches: KVCaches, *, num_layers: int | None = None) -> torch.Tensor:

@@ -137,16 +137,18 @@ class ModelRunner:
         return _split(logits, row_counts, plan)
 
     def _warm_up(self) -> None:
-        """Run steps of 1, 2 and each row threshold of the model's kernel plan up to MAX_ROWS, so that
-        every graph the compiled step has (compiled_step.py) is compiled at start-up, not on a request.
-        Each row writes its K/V into block 0, which is free: whoever gets it writes its own K/V before
-        attention reads any."""
+        """Run decode steps of 1, 2 and each row threshold of the model's kernel plan up to MAX_ROWS, so
+        that every graph the compiled step has (compiled_step.py) is compiled at start-up, not on a
+        request. Each row is a decode row (one prompt token computed, one output token to run: no prompt
+        row, as in the steps the graphs serve) whose blocks are block 0, which is free: whoever gets it
+        writes its own K/V before attention reads any, and what these rows compute is thrown away."""
         linears = self.kernels.linears.values() if self.kernels is not None else ()
         thresholds = {t for t in (plan.w8a8_from for plan in linears) if t is not None and 2 < t <= MAX_ROWS}
         for rows in (1, 2, *sorted(thresholds)):
             scheduled = [
-                ScheduledSequence(seq=Sequence(request_id=f"warm-up-{i}", prompt_token_ids=[0],
-                                               params=SamplingParams(max_tokens=1), block_ids=[0]),
+                ScheduledSequence(seq=Sequence(request_id=f"warm-up-{i}", prompt_token_ids=[0], output_token_ids=[0],
+                                               params=SamplingParams(max_tokens=2), block_ids=[0, 0],
+                                               num_computed_tokens=1),
                                   num_new_tokens=1, num_spec_tokens=0)
                 for i in range(rows)]
             self.execute(SchedulerPlan(scheduled=scheduled))

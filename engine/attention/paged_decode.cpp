@@ -398,8 +398,11 @@ void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_pool, const at::
 
 }  // namespace
 
+// Each call lets go of the GIL while it computes (it touches no Python object): the server's event loop
+// then streams tokens during the kernel instead of between kernels, where it would hold up the step.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_int8", &paged_decode_int8, "the same over int8 pools whose rows carry their scale");
-  m.def("write_int8_rows", &write_int8_rows, "quantize rows into an int8 pool, their dequantized values out");
-  m.def("paged_decode", &paged_decode, "one-token decode attention over the paged pool (see the file header)");
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode_int8", &paged_decode_int8, "the same over int8 pools whose rows carry their scale", no_gil);
+  m.def("write_int8_rows", &write_int8_rows, "quantize rows into an int8 pool, their dequantized values out", no_gil);
+  m.def("paged_decode", &paged_decode, "one-token decode attention over the paged pool (see the file header)", no_gil);
 }

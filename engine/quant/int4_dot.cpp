@@ -384,8 +384,11 @@ int64_t parallel_threads() {
   return count;
 }
 
+// int4_matmul lets go of the GIL while it computes (it touches no Python object): the server's event loop
+// then streams tokens during the kernel instead of between kernels, where it would hold up the step.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_matmul", &int4_matmul, "few rows x 4-bit weights in tiles, int8 dot products (AVX2 / AVX-512)");
+  m.def("int4_matmul", &int4_matmul, "few rows x 4-bit weights in tiles, int8 dot products (AVX2 / AVX-512)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("uses_vnni", &uses_vnni, "built with AVX-512 VNNI");
   m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for reaches in this build");
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from decodeservice.engine import Engine, EngineConfig, SamplingParams, compiled_
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.quant import kernel_plan, linear
 from decodeservice.engine.quant.native import int4_dot_extension
+from decodeservice.engine.quant.step_rows import StepRows
 from decodeservice.engine.scheduler import ScheduledSequence
 from tests.conftest import ModelBundle
 from tests.engine.test_loader import Q, write_tiny_gguf
@@ -70,6 +72,14 @@ def test_compiled_steps_equal_eager_bit_for_bit(int4_gguf: Path, w8a8: bool) -> 
             assert torch.equal(got, compiled.model.compute_logits(compiled.model.forward(batch, kv))), rows
     with pytest.raises(LookupError):  # the step's context is gone after the call
         compiled_step._STEP.get()
+
+
+def test_steps_with_prompt_rows_run_eager() -> None:
+    # Short prompts and prefix-hit tails take the projections' prompt path: not the graphs warmed at start-up.
+    decode = SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), rows=StepRows())
+    prompt = SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), rows=StepRows(prompt_rows=torch.arange(3)))
+    assert compiled_step.CompiledStep.applies_to(decode)  # type: ignore[arg-type]
+    assert not compiled_step.CompiledStep.applies_to(prompt)  # type: ignore[arg-type]
 
 
 def test_packed_fp32_weights_are_refused_at_start_up(tiny_factory: object) -> None:
