@@ -181,10 +181,9 @@ class ModelRunner:
                 prompt=item.num_spec_tokens == 0 and (count > 1 or first < seq.num_prompt_tokens)))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
                                  spans=tuple(spans), block_size=bs)
-        prompt_rows, other_rows = _prompt_rows(meta.spans, device=self.device)
         # The step's own row split, handed down its forward (quant/step_rows.py). Per step, as the rows are:
         # engines of both modes may share one model's weights (tests do).
-        rows = StepRows(prompt_rows=prompt_rows, other_rows=other_rows, deterministic=self.deterministic)
+        rows = _step_rows(meta.spans, device=self.device, deterministic=self.deterministic)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -195,15 +194,20 @@ class ModelRunner:
         return batch, row_counts
 
 
-def _prompt_rows(spans: Seq[SequenceSpan], *, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The step's prompt rows and its other rows (linear.StepRows): (None, None) without prompt rows,
-    (all, None) with nothing else."""
+def _step_rows(spans: Seq[SequenceSpan], *, device: torch.device, deterministic: bool) -> StepRows:
+    """The step's prompt rows and its other rows (quant/step_rows.StepRows): none without prompt rows,
+    the prompt rows alone with nothing else; where each kind is one run of rows, their spans too."""
     prompt = [i for s in spans if s.prompt for i in range(s.token_start, s.token_start + s.num_new)]
     if not prompt:
-        return None, None
+        return StepRows(deterministic=deterministic)
     other = [i for s in spans if not s.prompt for i in range(s.token_start, s.token_start + s.num_new)]
     as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-    return as_tensor(prompt), as_tensor(other) if other else None
+    if not other:
+        return StepRows(prompt_rows=as_tensor(prompt), deterministic=deterministic)
+    runs = prompt[-1] - prompt[0] + 1 == len(prompt) and other[-1] - other[0] + 1 == len(other)
+    return StepRows(prompt_rows=as_tensor(prompt), other_rows=as_tensor(other), deterministic=deterministic,
+                    prompt_span=(prompt[0], prompt[-1] + 1) if runs else None,
+                    other_span=(other[0], other[-1] + 1) if runs else None)
 
 
 def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> StepLogits:
