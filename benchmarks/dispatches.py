@@ -20,11 +20,16 @@ def caps_in_effect() -> dict[str, str]:
 
 
 def cpu_name() -> str:
-    """/proc/cpuinfo's model name: what a result was measured on."""
+    """/proc/cpuinfo's model name with its family and model numbers: what a result was measured on. A VM's
+    model name can be bare ("AMD EPYC"): the family tells generations apart (AMD 25: Zen 3/4, 26: Zen 5)."""
+    fields: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "unknown")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def report(result: dict[str, Any]) -> None:

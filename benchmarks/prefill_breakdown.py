@@ -9,13 +9,13 @@ route alike. Each prompt is one the engine has not seen (no prefix hit), max_tok
 prefills it is timed as a whole (`engine.step`) and in parts, wall time around each call, summed over
 the layers, milliseconds per prefill:
 
-- `embed`, `norms` (every RMSNorm), `qkv_proj`, `rope` (Rotary.rotate), `qkv_split` (the rest of
-  Attention.project: splits and reshapes), `kv_write` (`attend` less the backend's read),
-  `attention` (the backend's read of the pool; `paged_decode_kernel`, inside it, is the native kernel),
-  `o_proj`, `gate_up_proj`, `down_proj`, `mlp_act` (SiLU and the product), `residual` (the forward less
-  its parts: the adds, the final norm's row pick), `head` (`compute_logits`: the rows that sample only),
-  `outside_forward` (the step less the forward and the head: scheduling, the batch's metadata and the
-  attention plan, sampling, detokenization).
+- `embed`, `norms` (every RMSNorm, with the residual add that goes with it), `qkv_proj`, `rope`
+  (Rotary.rotate), `qkv_split` (the rest of Attention.project: splits and reshapes), `kv_write`
+  (`attend` less the backend's read), `attention` (the backend's read of the pool; `paged_decode_kernel`,
+  inside it, is the native kernel), `o_proj`, `gate_up_proj`, `down_proj`, `mlp_act` (SiLU and the
+  product), `residual` (the forward less its parts: the last layer's add, the final norm's row pick),
+  `head` (`compute_logits`: the rows that sample only), `outside_forward` (the step less the forward and
+  the head: scheduling, the batch's metadata and the attention plan, sampling, detokenization).
 
 `route`: which copy of the weights every projection's prompt rows run on (engine/quant/prompt_weights.py),
 set on every projection after the engine's own plan: `packed` the oneDNN-packed dense copy in the
@@ -121,6 +121,7 @@ def main() -> int:
         set_prompt_route(engine, route)
         print(f"engine for route {route} built", file=sys.stderr, flush=True)
     timed(model_module.RMSNorm, "forward", "norms")
+    timed(model_module.RMSNorm, "add_and_norm", "norms")
     timed(model_module.Rotary, "rotate", "rope")
     timed(model_module.Attention, "project", "project")
     timed(model_module, "attend", "attend_total")

@@ -4,8 +4,8 @@
         [--tokens 490] [--decode-keys 2600] [--out FILE]
 
 Kernels compared, taking turns round by round (the order rotates) so that the machine's load hits each
-alike: `before`, paged_decode.cpp and its headers as of git revision REV (a revision whose kernel takes no
-tile_rows argument), built beside this tree's into the kernel cache; `rows`, this
+alike: `before`, paged_decode.cpp and its headers as of git revision REV (called with the tiles of 16 rows
+where its kernel has them), built beside this tree's into the kernel cache; `rows`, this
 tree's kernel a row at a time (tile_rows=1); `tiled`, this tree's kernel as the engine calls it.
 Workloads, the bundled model's attention shape (9 query heads, 3 K/V heads, D 64, bf16 pools, blocks of 16
 scattered over the pool, one pool per layer): `prompt`, the kernel rows of a --tokens prefill (row i sees
@@ -91,7 +91,10 @@ def main() -> int:
 
     def old(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
-        before.paged_decode(q, k, v, t, n, HEAD_DIM ** -0.5, 256, out)  # its CHUNK
+        try:  # a kernel with tiles, as the engine calls it (its CHUNK and TILE_ROWS then)
+            before.paged_decode(q, k, v, t, n, HEAD_DIM ** -0.5, 256, 16, out)
+        except TypeError:  # one from before the tiles
+            before.paged_decode(q, k, v, t, n, HEAD_DIM ** -0.5, 256, out)
         return out
 
     kernels: dict[str, Callable[..., torch.Tensor]] = {
@@ -105,7 +108,8 @@ def main() -> int:
     for name, layers in workloads.items():
         outs = {kernel: run(*layers[0]) for kernel, run in kernels.items()}
         checks[name] = {"rows_equal_tiled_bitwise": torch.equal(outs["rows"], outs["tiled"]),
-                        "max_abs_vs_before": float((outs["tiled"].float() - outs["before"].float()).abs().max())}
+                        "max_abs_vs_before": float((outs["tiled"].float() - outs["before"].float()).abs().max()),
+                        "tiled_equal_before_bitwise": torch.equal(outs["tiled"], outs["before"])}
     times: dict[str, dict[str, list[float]]] = {w: {k: [] for k in kernels} for w in workloads}
     loads = [os.getloadavg()[0]]
     names = list(kernels)

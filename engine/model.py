@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodeservice.engine import elementwise
 from decodeservice.engine.attention import StepAttention, attend
 from decodeservice.engine.config import ModelConfig
 from decodeservice.engine.loader.fused import FusedWeights, as_int4, dense, fuse_hf_weights
@@ -119,11 +120,11 @@ class RMSNorm(nn.Module):
         return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, then one rounding to the activation dtype before the weight, as HF does.
-        # (F.rms_norm is 3 us faster a call but rounds once, not twice: in bf16 that moved a near-tie
-        # in tests/engine/test_quantized.py's speculation check, for ~0.2 ms a step.)
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps))).to(x.dtype)
+        return elementwise.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it): a residual add and the norm after it, one pass."""
+        return elementwise.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -155,9 +156,8 @@ class Rotary(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: (N, heads, D); x * cos + [-x2, x1] * sin, with sin's first half already negated
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
+        # x: (N, heads, D); x * cos + [-x2, x1] * sin, with sin's first half already negated (one pass)
+        return elementwise.rotate(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -224,8 +224,7 @@ class MLP(nn.Module):
         return self.forward(x, rows)
 
     def forward(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
-        gate, up = torch.split(self.gate_up_proj(x, rows), self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up, rows)
+        return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x, rows), self.intermediate), rows)
 
 
 class DecoderLayer(nn.Module):
@@ -295,11 +294,19 @@ class LlamaModel(nn.Module):
                    attend_layer: AttendLayer, *, num_layers: int, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
         """The forward on plain tensors, attention behind `attend_layer`: what torch.compile traces.
         `rows`: the step's row split, for every projection (quant/step_rows.py)."""
-        h = self.embed_tokens(input_ids)  # (N, C)
+        h = self.embed_tokens(input_ids)  # (N, C), the residual stream
         rope = self.rotary.tables(positions, h.dtype)
-        for i, layer in enumerate(self.decoder_layers()[:num_layers]):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, i, attend_layer, rows)
-            h = h + layer.mlp(layer.post_attention_layernorm(h), rows)
+        layers = self.decoder_layers()[:num_layers]
+        x = layers[0].input_layernorm(h) if layers else h  # each layer's input, normed
+        # Each residual add goes with the norm after it (one pass); the last one's norm is the final norm's,
+        # over the rows that sample only.
+        for i, layer in enumerate(layers):
+            h, x = layer.post_attention_layernorm.add_and_norm(h, layer.self_attn(x, rope, i, attend_layer, rows))
+            delta = layer.mlp(x, rows)
+            if i + 1 < len(layers):
+                h, x = layers[i + 1].input_layernorm.add_and_norm(h, delta)
+            else:
+                h = h + delta
         hidden: torch.Tensor = self.norm(h[logits_index])  # (S, C)
         return hidden
 
