@@ -206,8 +206,7 @@ def _step_rows(spans: Seq[SequenceSpan], *, device: torch.device, deterministic:
         return StepRows(prompt_rows=as_tensor(prompt), deterministic=deterministic)
     runs = prompt[-1] - prompt[0] + 1 == len(prompt) and other[-1] - other[0] + 1 == len(other)
     return StepRows(prompt_rows=as_tensor(prompt), other_rows=as_tensor(other), deterministic=deterministic,
-                    prompt_span=(prompt[0], prompt[-1] + 1) if runs else None,
-                    other_span=(other[0], other[-1] + 1) if runs else None)
+                    prompt_span=(prompt[0], prompt[-1] + 1) if runs else None)
 
 
 def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> StepLogits:

@@ -37,11 +37,11 @@ class StepRows:
 
     prompt_rows: torch.Tensor | None = None  # (P,) row indices; None: the step holds no prompt row
     other_rows: torch.Tensor | None = None  # (N - P,); None: every row is a prompt row (or none is)
-    # Where the prompt rows are one run of rows and the others the rest, also as (start, stop) pairs: the
-    # split is then two row slices, views, not two gathers and two scatters over every projection (the
-    # scheduler puts a step's decode rows before its prompt chunk, so a mixed step's split is this one).
+    # Where the prompt rows are one run of rows and the others the rest (one run too, before or after it),
+    # the prompt rows' (start, stop): the split is then two row slices, views, not two gathers and two
+    # scatters over every projection (the scheduler puts a step's decode rows before its prompt chunk, so a
+    # mixed step's split is this one).
     prompt_span: tuple[int, int] | None = None
-    other_span: tuple[int, int] | None = None
     # The engine's deterministic mode (EngineConfig.deterministic, the runner's from its construction): every
     # row of every call, prompt, decode, verify or head row, takes the module's row-invariant path.
     deterministic: bool = False
@@ -59,8 +59,9 @@ class StepRows:
         if self.other_rows is None:
             return prompt(flat)
         out = flat.new_empty(flat.shape[0], out_features)
-        if self.prompt_span is not None and self.other_span is not None:  # the same rows, in the same order
-            (p0, p1), (o0, o1) = self.prompt_span, self.other_span
+        if self.prompt_span is not None:  # the same rows, in the same order
+            p0, p1 = self.prompt_span
+            o0, o1 = (p1, flat.shape[0]) if p0 == 0 else (0, p0)
             out[p0:p1] = prompt(flat[p0:p1])
             out[o0:o1] = other(flat[o0:o1])
             return out
