@@ -75,10 +75,11 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
 }
 
 // out = x * cos + rotate_half(x) * sin over (N, heads, D), cos and sin (N, 1, D) with sin's first half
-// negated (engine/model.py: Rotary): three roundings, as the three torch ops.
+// negated (engine/model.py: Rotary): three roundings, as the three torch ops. x's rows may be strided (the
+// q and k part of the fused qkv projection's rows), its heads not.
 template <typename T>
 void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2, row_stride = x.stride(0);
   const T* xs = x.data_ptr<T>();
   const T* cs = cos.data_ptr<T>();
   const T* ss = sin.data_ptr<T>();
@@ -89,7 +90,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       const T* c = cs + r * d;
       const T* s = ss + r * d;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* a = xs + (r * heads + h) * d;
+        const T* a = xs + r * row_stride + h * d;
         T* o = os + (r * heads + h) * d;
         int64_t j = 0;
         // The swapped halves: element j pairs with a[(j + half) % d]; a vector never straddles the halves.
@@ -238,8 +239,8 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
 }
 
 void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes(),
-              "x and out (N, heads, D) contiguous");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && out.is_contiguous() &&
+                  out.sizes() == x.sizes(), "x (N, heads, D) with contiguous rows (a split's view), out contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
                   sin.numel() == cos.numel() && x.size(2) % 2 == 0, "cos and sin (N, 1, D) contiguous, D even");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
