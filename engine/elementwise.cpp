@@ -1,6 +1,7 @@
-// A layer's elementwise steps in one pass each (engine/elementwise.py): SiLU(gate) * up, and the rotary
-// embedding of q and k. In torch ops they are two and four passes over the rows, each with its own output
-// tensor; a prompt chunk's rows spent more time in them than in their projections' rescaling.
+// A layer's elementwise steps in one pass each (engine/elementwise.py): RMSNorm (with the residual add
+// before it), SiLU(gate) * up, and the rotary embedding of q and k. In torch ops they are two to eight
+// passes over the rows, each with its own output tensor and dispatch (benchmarks/elementwise_passes.py
+// measures what one pass saves).
 //
 // Bit for bit torch's own results: the same ATen vectors (at::vec, built for the ISA the flags choose), the
 // same roundings after each op (to bf16 where the activations are bf16), and torch's split of a row into
@@ -22,9 +23,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <cmath>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
