@@ -32,8 +32,9 @@ from json_out import emit
 PROMPT = list(range(300, 789))  # 489 tokens after a distinct first one
 
 
-def switch(native: Callable[[torch.Tensor], ModuleType | None], on: bool) -> None:
-    elementwise._native = native if on else (lambda x: None)  # type: ignore[assignment]
+def switch(native: Callable[[ModuleType | None, torch.Tensor], ModuleType | None], on: bool) -> None:
+    """Every module's passes on or off at once (the engine's plan hands them to the modules at build)."""
+    elementwise._native = native if on else (lambda kernel, x: None)  # type: ignore[assignment]
 
 
 def main() -> int:
@@ -45,10 +46,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if elementwise.elementwise_extension() is None:
-        raise SystemExit("the elementwise kernel did not build here (or disagreed with torch): nothing to compare")
     native = elementwise._native
     engine = Engine.from_pretrained("smollm2-135m", max_model_len=4096)
+    if engine.plan.elementwise.kernel is None:
+        raise SystemExit(f"the engine runs the torch ops here ({engine.plan.elementwise.why}): nothing to compare")
     times: dict[str, dict[str, list[float]]] = {}
     loads = [os.getloadavg()[0]]
     fresh = iter(range(1, 10**6))

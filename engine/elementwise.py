@@ -4,13 +4,17 @@ before it), SiLU(gate) * up and the rotary embedding, bit for bit the torch ops 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py). A build that
 fails, or one whose results differ from torch's by one bit, is logged and left out: the torch ops run, as
 they do inside a compiled step (the graph traces them; they give the same bits) and for other dtypes.
+Whether a model takes the passes is decided once, when it is built (`plan_elementwise`, held by the
+engine's execution plan), and handed to its modules.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,32 @@ DTYPES = (torch.float32, torch.bfloat16)
 def elementwise_extension() -> ModuleType | None:
     """The native elementwise passes, or None (logged): the torch ops run."""
     return build_extension(SOURCE, what="elementwise", check=_agrees_with_torch, x86_intrinsics=True)
+
+
+@dataclass(frozen=True)
+class ElementwisePlan:
+    """A model's elementwise steps: the native passes (`kernel`) or the torch ops (None), and why."""
+
+    kernel: ModuleType | None
+    why: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"native": self.kernel is not None, "why": self.why}
+
+
+TORCH_OPS = ElementwisePlan(kernel=None, why="a model built outside an engine: the torch ops")
+
+
+def plan_elementwise(device: str, activations: torch.dtype) -> ElementwisePlan:
+    """The passes where they run (a CPU, fp32 or bf16 activations, built and equal to torch here)."""
+    if torch.device(device).type != "cpu":
+        return ElementwisePlan(kernel=None, why=f"the native passes are CPU kernels; {device} runs the torch ops")
+    if activations not in DTYPES:
+        return ElementwisePlan(kernel=None, why=f"{activations} activations: the native passes take fp32 and bf16")
+    kernel = elementwise_extension()
+    if kernel is None:
+        return ElementwisePlan(kernel=None, why="the native passes did not build here or differed from torch (logged)")
+    return ElementwisePlan(kernel=kernel, why="built for this CPU and bit for bit torch's ops at load")
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,15 +76,17 @@ def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def _native(x: torch.Tensor) -> ModuleType | None:
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES:
+def _native(kernel: ModuleType | None, x: torch.Tensor) -> ModuleType | None:
+    """`kernel` where it takes this call: not inside a compiled step's trace (the torch ops, same bits)."""
+    if kernel is None or torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES:
         return None
-    return elementwise_extension()
+    return kernel
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension; `weight` may be a shape, e.g. (heads, D) (Qwen3's q/k norms: torch)."""
-    module = _native(x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: ModuleType | None) -> torch.Tensor:
+    """RMSNorm over the last dimension; `weight` may be a shape, e.g. (heads, D) (Qwen3's q/k norms: torch).
+    `kernel`: the native passes (ElementwisePlan.kernel), None for the torch ops."""
+    module = _native(kernel, x)
     if module is None or x.dim() != 2 or weight.dim() != 1 or weight.dtype != x.dtype or not x.is_contiguous():
         return rms_norm_torch(x, weight, eps)
     out = torch.empty_like(x)
@@ -62,10 +94,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 kernel: ModuleType | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, RMSNorm(x + residual)): a layer's residual add and the next norm in one pass."""
-    module = _native(x)
+    module = _native(kernel, x)
     if (module is None or x.dim() != 2 or weight.dim() != 1 or weight.dtype != x.dtype or residual.dtype != x.dtype
             or not x.is_contiguous() or not residual.is_contiguous()):
         total = x + residual
@@ -75,9 +107,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return total, out
 
 
-def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, intermediate: int, kernel: ModuleType | None) -> torch.Tensor:
     """SiLU(gate) * up of a fused (N, 2I) gate_up projection's rows -> (N, I)."""
-    module = _native(gate_up)
+    module = _native(kernel, gate_up)
     if module is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
         return silu_and_mul_torch(gate_up, intermediate)
     out = gate_up.new_empty(gate_up.shape[0], intermediate)
@@ -85,9 +117,9 @@ def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     return out
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
     """The rotary embedding of (N, heads, D) rows; cos and sin (N, 1, D), sin's first half negated."""
-    module = _native(x)
+    module = _native(kernel, x)
     if module is None or x.dim() != 3 or cos.dtype != x.dtype or sin.dtype != x.dtype:
         return rotate_torch(x, cos, sin)
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:

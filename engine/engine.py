@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from decodeservice.engine import elementwise
 from decodeservice.engine.config import CPU_KV_CACHE_GIB, EngineConfig, ModelConfig, SpeculativeConfig
 from decodeservice.engine.detokenizer import IncrementalDetokenizer
 from decodeservice.engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -102,7 +103,7 @@ class Engine:
         # Every machine-dependent choice, made above and handed to each component as it was built.
         self.plan: ExecutionPlan = execution_plan(
             config, activations=self.dtype, activations_reason=_activations_reason(model, config), kv=kv,
-            attention=attention, kernels=model.kernel_plan, speculation=speculation)
+            attention=attention, kernels=model.kernel_plan, elementwise=model.elementwise_plan, speculation=speculation)
         for line in self.plan.explain():
             log.info("plan: %s", line)
         self._requests: dict[str, Sequence] = {}
@@ -368,8 +369,9 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], config: E
     as loaded (GGUF Q4_0/Q4_1), by HF name."""
     precision = resolve_precision(config, source_has_int4=bool(int4), hidden_size=cfg.hidden_size,
                                   intermediate_size=cfg.intermediate_size)
+    passes = elementwise.plan_elementwise(config.device, precision.activations)
     with torch.device("meta"):
-        model = LlamaModel(cfg).to(dtype=precision.activations)
+        model = LlamaModel(cfg, elementwise_plan=passes).to(dtype=precision.activations)
     # Built on the meta device, so no time goes into random init of weights we overwrite; the memory
     # of projections about to be replaced by quantized modules is never touched, so never resident.
     model = model.to_empty(device=config.device)

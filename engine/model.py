@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -111,20 +112,21 @@ Embedding = nn.Embedding | Int4Embedding | Int8Embedding
 class RMSNorm(nn.Module):
     """Over the last dimension; `dim` may be a shape, e.g. (heads, D) for a weight per head (Qwen3)."""
 
-    def __init__(self, dim: int | tuple[int, ...], eps: float) -> None:
+    def __init__(self, dim: int | tuple[int, ...], eps: float, passes: ModuleType | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.passes = passes  # the native elementwise passes (elementwise.ElementwisePlan.kernel), or None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # typed, and no hook dispatch (61 calls a step)
         return self.forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return elementwise.rms_norm(x, self.weight, self.eps)
+        return elementwise.rms_norm(x, self.weight, self.eps, self.passes)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, this norm of it): a residual add and the norm after it, one pass."""
-        return elementwise.add_rms_norm(x, residual, self.weight, self.eps)
+        return elementwise.add_rms_norm(x, residual, self.weight, self.eps, self.passes)
 
 
 class Rotary(nn.Module):
@@ -155,14 +157,15 @@ class Rotary(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, passes: ModuleType | None) -> torch.Tensor:
         # x: (N, heads, D); x * cos + [-x2, x1] * sin, with sin's first half already negated (one pass)
-        return elementwise.rotate(x, cos, sin)
+        return elementwise.rotate(x, cos, sin, passes)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, passes: ModuleType | None = None) -> None:
         super().__init__()
+        self.passes = passes
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -173,7 +176,7 @@ class Attention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if cfg.qkv_bias else None
         # Qwen3: q_norm and k_norm, one weight row per head (q_norm's H times, then k_norm's Hkv times), so
         # q and k heads normalize in one call, as they rotate in one.
-        self.qk_norm = (RMSNorm((cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps)
+        self.qk_norm = (RMSNorm((cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps, passes)
                         if cfg.qk_norm else None)
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rows: StepRows = PLAIN_ROWS
@@ -187,7 +190,7 @@ class Attention(nn.Module):
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         # q and k heads rotate together: one set of elementwise ops per layer instead of two.
-        qk = Rotary.rotate(qk, *rope)
+        qk = Rotary.rotate(qk, *rope, self.passes)
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)  # (N, H, D), (N, Hkv, D)
         return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
@@ -214,8 +217,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, passes: ModuleType | None = None) -> None:
         super().__init__()
+        self.passes = passes
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj: Projection = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj: Projection = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -224,16 +228,17 @@ class MLP(nn.Module):
         return self.forward(x, rows)
 
     def forward(self, x: torch.Tensor, rows: StepRows = PLAIN_ROWS) -> torch.Tensor:
-        return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x, rows), self.intermediate), rows)
+        gate_up = self.gate_up_proj(x, rows)
+        return self.down_proj(elementwise.silu_and_mul(gate_up, self.intermediate, self.passes), rows)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, passes: ModuleType | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, passes)
+        self.self_attn = Attention(cfg, passes)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, passes)
+        self.mlp = MLP(cfg, passes)
 
 
 class LlamaModel(nn.Module):
@@ -241,13 +246,17 @@ class LlamaModel(nn.Module):
     # load_fused received it; None for dense weights or modules on their defaults.
     kernel_plan: KernelPlan | None = None
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, elementwise_plan: elementwise.ElementwisePlan = elementwise.TORCH_OPS) -> None:
         super().__init__()
         self.config = cfg
+        # Whether the layers' norms, activation and RoPE take the native passes: decided by the builder
+        # (engine.build_model: elementwise.plan_elementwise) and handed to every module here.
+        self.elementwise_plan = elementwise_plan
+        passes = elementwise_plan.kernel
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens: Embedding = embed
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, passes) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, passes)
         head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             head.weight = embed.weight

@@ -5,7 +5,7 @@
 
 Each part is handed to the component it configures when that component is built: the KV pool's dtype
 and the attention plan to the runner (which builds its backend from it), the kernel plan to the
-projections (quant/kernel_plan.py), the speculation costs to the speculative decoder. Nothing is
+projections (quant/kernel_plan.py), the elementwise passes to the layers (elementwise.py), the speculation costs to the speculative decoder. Nothing is
 changed on a component afterwards. Each choice carries where it came from: `configured` (a setting
 asked for it), `measured now` (timed at this start-up), or the disk cache file it was read from.
 """
@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from decodeservice.engine.elementwise import ElementwisePlan
 from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.spec_decode.policy import StepCostCurve
 
@@ -102,6 +103,7 @@ class ExecutionPlan:
     kv: KvPlan
     attention: AttentionPlan
     kernels: KernelPlan | None  # quantized projections on CPU; None: dense weights
+    elementwise: ElementwisePlan  # the layers' norms, activation and RoPE: native passes or torch ops
     step: StepPlan
     speculation: SpeculationPlan | None
 
@@ -114,6 +116,7 @@ class ExecutionPlan:
             "attention": self.attention.describe(),
             "step": {"executor": self.step.executor, "deterministic": self.step.deterministic, "why": self.step.why},
             "kernels": self.kernels.describe() if self.kernels is not None else None,
+            "elementwise": self.elementwise.describe(),
             "speculation": None,
         }
         if (spec := self.speculation) is not None:
@@ -144,6 +147,8 @@ class ExecutionPlan:
             lines += [f"  self-check fallback: {line}" for line in k["self_check_fallbacks"]]
         else:
             lines.append("projections: dense weights (no kernel plan)")
+        passes = "native passes" if self.elementwise.kernel is not None else "torch ops"
+        lines.append(f"elementwise (norms with their adds, SiLU * up, RoPE): {passes} - {self.elementwise.why}")
         if (spec := self.speculation) is not None:
             lines.append(f"speculation: {spec.method}, each draft row adds {spec.row_cost:.3f} of a one-row step "
                          f"[{spec.source}{f', measured in {spec.seconds:.1f} s' if spec.seconds else ''}]")

@@ -16,6 +16,7 @@ import torch
 from decodeservice.engine.attention import native_decode
 from decodeservice.engine.attention.backend import AttentionBackend
 from decodeservice.engine.config import EngineConfig, ModelConfig
+from decodeservice.engine.elementwise import ElementwisePlan
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.kv_cache import cdiv
 from decodeservice.engine.plan.execution import (
@@ -156,14 +157,14 @@ def _step_identity(config: EngineConfig, runner: ModelRunner) -> list[str]:
 
 
 def execution_plan(config: EngineConfig, *, activations: torch.dtype, activations_reason: str, kv: KvPlan,
-                   attention: AttentionPlan, kernels: KernelPlan | None, speculation: SpeculationPlan | None
-                   ) -> ExecutionPlan:
+                   attention: AttentionPlan, kernels: KernelPlan | None, elementwise: ElementwisePlan,
+                   speculation: SpeculationPlan | None) -> ExecutionPlan:
     device = torch.device(config.device)
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available()
                else detect_cpu().model_name)
     return ExecutionPlan(device=str(device), machine=machine, torch_version=torch.__version__, activations=activations,
                          activations_reason=activations_reason, kv=kv, attention=attention, kernels=kernels,
-                         step=plan_step(config), speculation=speculation)
+                         elementwise=elementwise, step=plan_step(config), speculation=speculation)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from decodeservice.engine import elementwise
 from decodeservice.engine.model import LlamaModel, RMSNorm, Rotary
 from tests.conftest import ModelBundle, make_tiny_model
 
@@ -57,14 +58,15 @@ def reference_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_formula(dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    norm = RMSNorm(48, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(48) + 0.5)
-    norm = norm.to(dtype)
-    x = (torch.randn(5, 48) * 3).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding in the kernel, two in the formula
-    torch.testing.assert_close(norm(x), reference_rms_norm(x, norm.weight, 1e-5), rtol=tol, atol=tol)
+    for passes in (None, elementwise.elementwise_extension()):  # the torch ops, the native pass where built
+        torch.manual_seed(0)
+        norm = RMSNorm(48, 1e-5, passes)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(48) + 0.5)
+        norm = norm.to(dtype)
+        x = (torch.randn(5, 48) * 3).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding in the kernel, two in the formula
+        torch.testing.assert_close(norm(x), reference_rms_norm(x, norm.weight, 1e-5), rtol=tol, atol=tol)
 
 
 def test_rotary_matches_the_formula() -> None:
@@ -72,8 +74,9 @@ def test_rotary_matches_the_formula() -> None:
     rotary = Rotary(16, 10000.0, 64)
     positions = torch.tensor([0, 1, 7, 63])
     x = torch.randn(4, 3, 16)
-    got = Rotary.rotate(x, *rotary.tables(positions, torch.float32))
-    torch.testing.assert_close(got.double(), reference_rope(x, positions, 10000.0), rtol=1e-5, atol=1e-5)
+    for passes in (None, elementwise.elementwise_extension()):  # the torch ops, the native pass where built
+        got = Rotary.rotate(x, *rotary.tables(positions, torch.float32), passes)
+        torch.testing.assert_close(got.double(), reference_rope(x, positions, 10000.0), rtol=1e-5, atol=1e-5)
 
 
 def test_tiny_model_matches_an_independent_llama(tiny: ModelBundle) -> None:

@@ -33,17 +33,17 @@ def test_each_pass_equals_the_torch_ops(module: ModuleType, dtype: torch.dtype, 
     gen = torch.Generator().manual_seed(rows)
     x, residual = ((torch.randn(rows, 576, generator=gen) * 4).to(dtype) for _ in range(2))
     weight = (torch.randn(576, generator=gen) * 0.2 + 1).to(dtype)
-    assert torch.equal(elementwise.rms_norm(x, weight, 1e-5), elementwise.rms_norm_torch(x, weight, 1e-5))
-    total, normed = elementwise.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(elementwise.rms_norm(x, weight, 1e-5, module), elementwise.rms_norm_torch(x, weight, 1e-5))
+    total, normed = elementwise.add_rms_norm(x, residual, weight, 1e-5, module)
     assert torch.equal(total, x + residual)
     assert torch.equal(normed, elementwise.rms_norm_torch(x + residual, weight, 1e-5))
     gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(dtype)
     gate, up = gate_up.split(1536, dim=-1)
-    assert torch.equal(elementwise.silu_and_mul(gate_up, 1536), F.silu(gate) * up)
-    qk = (torch.randn(rows, 12, 64, generator=gen) * 3).to(dtype)
+    assert torch.equal(elementwise.silu_and_mul(gate_up, 1536, module), F.silu(gate) * up)
+    qk = (torch.randn(rows, 15, 64, generator=gen) * 3).to(dtype)[:, 3:]  # strided rows: a view of qkv
     angles = torch.randn(rows, 1, 64, generator=gen)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    assert torch.equal(elementwise.rotate(qk, cos, sin), elementwise.rotate_torch(qk, cos, sin))
+    assert torch.equal(elementwise.rotate(qk, cos, sin, module), elementwise.rotate_torch(qk, cos, sin))
 
 
 def test_every_bf16_input_through_silu(module: ModuleType) -> None:
@@ -51,7 +51,13 @@ def test_every_bf16_input_through_silu(module: ModuleType) -> None:
     every = every[every.isfinite()].view(-1, 256)
     up = torch.ones_like(every)
     gate_up = torch.cat([every, up], dim=1)
-    assert torch.equal(elementwise.silu_and_mul(gate_up, 256), F.silu(every))
+    assert torch.equal(elementwise.silu_and_mul(gate_up, 256, module), F.silu(every))
+
+
+def test_the_plan_takes_the_passes_on_cpu_in_fp32_and_bf16_only(module: ModuleType) -> None:
+    assert elementwise.plan_elementwise("cpu", torch.bfloat16).kernel is module
+    assert elementwise.plan_elementwise("cpu", torch.float16).kernel is None
+    assert elementwise.plan_elementwise("cuda", torch.bfloat16).kernel is None
 
 
 def test_the_check_at_load_refuses_a_kernel_that_differs(module: ModuleType) -> None:
@@ -70,11 +76,11 @@ def test_the_check_at_load_refuses_a_kernel_that_differs(module: ModuleType) -> 
     assert not elementwise._agrees_with_torch(OffByOne())  # type: ignore[arg-type]
 
 
-def tiny_model(dtype: torch.dtype, *, qk_norm: bool) -> LlamaModel:
+def tiny_model(dtype: torch.dtype, *, qk_norm: bool, plan: elementwise.ElementwisePlan) -> LlamaModel:
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=128, qk_norm=qk_norm)
     torch.manual_seed(0)
-    model = LlamaModel(cfg)
+    model = LlamaModel(cfg, elementwise_plan=plan)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
@@ -83,11 +89,11 @@ def tiny_model(dtype: torch.dtype, *, qk_norm: bool) -> LlamaModel:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3_qk_norm"])
-def test_a_forward_gives_the_same_bits_native_or_torch(module: ModuleType, dtype: torch.dtype, qk_norm: bool,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_forward_gives_the_same_bits_native_or_torch(module: ModuleType, dtype: torch.dtype, qk_norm: bool) -> None:
     """The layers' loop (residual adds fused with the norms after them) and the reference path, each with
     the native passes and with torch's ops: four equal results."""
-    model = tiny_model(dtype, qk_norm=qk_norm)
+    plan = elementwise.plan_elementwise("cpu", dtype)
+    assert plan.kernel is module
     ids = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
 
     def attend_layer(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -96,14 +102,13 @@ def test_a_forward_gives_the_same_bits_native_or_torch(module: ModuleType, dtype
             is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)
 
-    def both() -> tuple[torch.Tensor, torch.Tensor]:
+    def both(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
             hidden = model.run_layers(ids, torch.arange(ids.numel()), torch.arange(ids.numel()), attend_layer,
                                       num_layers=3)
             return model.compute_logits(hidden), model.forward_dense(ids)
 
-    native = both()
-    monkeypatch.setattr(elementwise, "_native", lambda x: None)
-    reference = both()
+    native = both(tiny_model(dtype, qk_norm=qk_norm, plan=plan))
+    reference = both(tiny_model(dtype, qk_norm=qk_norm, plan=elementwise.TORCH_OPS))
     for got in (*native, reference[0]):
         assert torch.equal(got, reference[1])

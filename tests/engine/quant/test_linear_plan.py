@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from decodeservice.engine import Engine
+from decodeservice.engine.model import MLP, Attention, RMSNorm
 from decodeservice.engine.quant import Int4Linear, Int8Linear
 from decodeservice.engine.quant.linear import LinearPlan, RowPlanned
 from tests.engine.test_loader import write_tiny_gguf
@@ -61,6 +62,13 @@ def test_each_projection_is_built_with_its_part_of_the_plan_and_never_set_after(
         assert module.w8a8_from == module.plan.w8a8_from
     described = engine.plan.describe()["kernels"]["rows"]
     assert set(described) == {shape_key(name, m) for name, m in projections.items()}
+    # The elementwise passes: chosen once with the model (elementwise.plan_elementwise), held by the plan,
+    # and every norm, MLP and attention module built with that very kernel (or None: the torch ops).
+    passes = engine.plan.elementwise
+    assert passes is engine.model.elementwise_plan and engine.plan.describe()["elementwise"]["native"] == (
+        passes.kernel is not None)
+    holders = [m for m in engine.model.modules() if isinstance(m, (RMSNorm, MLP, Attention))]
+    assert holders and all(m.passes is passes.kernel for m in holders)
     # The recorder sees an assignment where there is one: the check above can fail.
     head = projections["lm_head"]
     late.clear()
