@@ -196,7 +196,7 @@ class ModelRunner:
 
 def _step_rows(spans: Seq[SequenceSpan], *, device: torch.device, deterministic: bool) -> StepRows:
     """The step's prompt rows and its other rows (quant/step_rows.StepRows): none without prompt rows,
-    the prompt rows alone with nothing else; where each kind is one run of rows, their spans too."""
+    the prompt rows alone with nothing else; where each kind is one run of rows, the prompt rows' span too."""
     prompt = [i for s in spans if s.prompt for i in range(s.token_start, s.token_start + s.num_new)]
     if not prompt:
         return StepRows(deterministic=deterministic)

@@ -5,9 +5,10 @@
 
 Each part is handed to the component it configures when that component is built: the KV pool's dtype
 and the attention plan to the runner (which builds its backend from it), the kernel plan to the
-projections (quant/kernel_plan.py), the elementwise passes to the layers (elementwise.py), the speculation costs to the speculative decoder. Nothing is
-changed on a component afterwards. Each choice carries where it came from: `configured` (a setting
-asked for it), `measured now` (timed at this start-up), or the disk cache file it was read from.
+projections (quant/kernel_plan.py), the elementwise passes to the layers (elementwise.py), the
+speculation costs to the speculative decoder. Nothing is changed on a component afterwards. Each choice
+carries where it came from: `configured` (a setting asked for it), `measured now` (timed at this
+start-up), or the disk cache file it was read from.
 """
 
 from __future__ import annotations
