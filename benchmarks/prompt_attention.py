@@ -26,7 +26,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -42,8 +41,9 @@ FILES = ("engine/attention/paged_decode.cpp", "engine/attention/paged_decode_vec
          "engine/attention/paged_decode_int8_rows.h")
 
 
-def build_before(rev: str, folder: Path) -> ModuleType:
-    """The kernel as of `rev`, built from its files (those it had)."""
+def build_before(rev: str, folder: Path) -> Callable[..., torch.Tensor]:
+    """The kernel as of `rev`, built from its files (those it had), called as the engine called it then:
+    with the tile width (its TILE_ROWS, 16) where its source takes one, without before the tiles."""
     root = Path(__file__).resolve().parent.parent
     headers = []
     for name in FILES:
@@ -51,11 +51,19 @@ def build_before(rev: str, folder: Path) -> ModuleType:
         if shown.returncode == 0:
             (folder / Path(name).name).write_bytes(shown.stdout)
             headers.append(folder / Path(name).name)
+    tiled = "int64_t tile_rows" in headers[0].read_text(encoding="utf-8")
     module = build_extension(headers[0], what=f"paged decode attention at {rev}", check=lambda m: True,
                              headers=headers[1:])
     if module is None:
         raise SystemExit(f"the kernel at {rev} did not build")
-    return module
+
+    def before(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        tiles = (16,) if tiled else ()
+        module.paged_decode(q, k, v, t, n, HEAD_DIM ** -0.5, 256, *tiles, out)
+        return out
+
+    return before
 
 
 def workload(rows: int, first_len: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
@@ -89,16 +97,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         before = build_before(args.before, Path(folder))
 
-    def old(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
-        try:  # a kernel with tiles, as the engine calls it (its CHUNK and TILE_ROWS then)
-            before.paged_decode(q, k, v, t, n, HEAD_DIM ** -0.5, 256, 16, out)
-        except TypeError:  # one from before the tiles
-            before.paged_decode(q, k, v, t, n, HEAD_DIM ** -0.5, 256, out)
-        return out
-
     kernels: dict[str, Callable[..., torch.Tensor]] = {
-        "before": old,
+        "before": before,
         "rows": lambda q, k, v, t, n: native_decode.paged_decode(q, k, v, t, n, module=now, tile_rows=1),
         "tiled": lambda q, k, v, t, n: native_decode.paged_decode(q, k, v, t, n, module=now),
     }

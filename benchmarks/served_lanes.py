@@ -9,13 +9,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from decodeservice.loadgen.client import BenchRequest, send
 from decodeservice.loadgen.metrics import RequestRecord
 from decodeservice.loadgen.procs import ChildServer
+
+if TYPE_CHECKING:  # the parent process stays without torch
+    from decodeservice.engine import Engine
 
 MODEL = "smollm2-135m"
 TTFT_METRIC = "vllm:time_to_first_token_seconds"
@@ -133,6 +136,16 @@ class InProcessLane:
             self.proc.wait(timeout=30)
 
 
+def add_chat(engine: Engine, messages: list[dict[str, str]], *, max_tokens: int) -> str:
+    """A chat request as the server takes it (its template, no special tokens added again), greedy and
+    `ignore_eos` as every lane asks; its request id."""
+    from decodeservice.engine import SamplingParams
+
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return engine.add_request(engine.encode_prompt(text, add_special_tokens=False),
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
 def child() -> int:
     """Serve batches from stdin: add them all at once, step to the end, report each one's clocks.
 
@@ -145,7 +158,7 @@ def child() -> int:
 
     import torch
 
-    from decodeservice.engine import Engine, SamplingParams
+    from decodeservice.engine import Engine
 
     def run_batch(engine: Engine, batch: list[dict[str, Any]]) -> list[dict[str, float]]:
         start: dict[str, float] = {}
@@ -153,11 +166,7 @@ def child() -> int:
         tokens: dict[str, int] = {}
         for item in batch:
             start_s = time.perf_counter()
-            text = engine.tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True)
-            prompt = engine.encode_prompt(text, add_special_tokens=False)
-            rid = engine.add_request(prompt, SamplingParams(max_tokens=item["max_tokens"], temperature=0.0,
-                                                            ignore_eos=True))
-            start[rid] = start_s
+            start[add_chat(engine, item["messages"], max_tokens=item["max_tokens"])] = start_s
         end: dict[str, float] = {}
         while engine.has_unfinished_requests():
             outs = engine.step()

@@ -39,10 +39,10 @@ LAYOUTS = ("built_elsewhere", "built_on_step_thread", "main_thread")
 
 
 def child(layout: str, requests: int) -> dict[str, Any]:
-    from served_lanes import MODEL
+    from served_lanes import MODEL, add_chat
     from served_vs_peers import build_body, message
 
-    from decodeservice.engine import Engine, SamplingParams
+    from decodeservice.engine import Engine
 
     body = build_body(490)
     built: dict[str, Engine] = {}
@@ -56,10 +56,7 @@ def child(layout: str, requests: int) -> dict[str, Any]:
             build()
         engine = built["engine"]
         for _ in range(requests + 1):  # the first is a warm-up
-            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": message(body, uuid.uuid4().hex)}],
-                                                        add_generation_prompt=True)
-            engine.add_request(engine.encode_prompt(text, add_special_tokens=False),
-                               SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+            add_chat(engine, [{"role": "user", "content": message(body, uuid.uuid4().hex)}], max_tokens=64)
             steps = []
             while engine.has_unfinished_requests():
                 start = time.perf_counter()

@@ -6,7 +6,10 @@ kubelet needs: every volume becomes a folder under the work directory (the Confi
 it) and every path a container mounts is mapped there, each container port is a free local one, addresses
 bind 127.0.0.1, and `decodectl`/`python` are this interpreter. `run_local_pod` then runs the init
 containers in order, starts the containers, waits on their startup and readiness probes as the kubelet
-would, and keeps them running until told to stop.
+would, and keeps them running until told to stop. Each container runs in its own process group, which
+stands for its PID namespace: stopping it sends SIGTERM to its main process, as the kubelet does, and when
+that has exited (or the grace period is over) SIGKILL to whatever is left in the group, as a container's
+end takes every process in it (vLLM's engine-core and worker processes outlive its API server otherwise).
 """
 
 from __future__ import annotations
@@ -220,6 +223,45 @@ def _wait_ready(proc: LocalProcess, popen: subprocess.Popen[bytes], stop: thread
     return True
 
 
+def start_container(proc: LocalProcess, *, cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """The container's main process, leading a process group of its own (its stand-in PID namespace)."""
+    return subprocess.Popen(proc.argv, env=proc.env, cwd=cwd, start_new_session=True)
+
+
+def stop_containers(running: list[subprocess.Popen[bytes]], *, grace_s: float) -> None:
+    """SIGTERM each main process, as the kubelet sends it; each drains within the grace period. Then SIGKILL
+    each group: what a main process leaves behind ends with its container."""
+    for popen in running:
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for popen in running:
+        try:
+            popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for popen in running:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)  # start_new_session: the group id is the main process's pid
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is empty already
+        popen.wait()
+
+
+def living_in_group(pgid: int) -> list[int]:
+    """The pids in process group `pgid` that have not exited (zombies left unreaped by pid 1 do not count);
+    Linux's /proc only, empty elsewhere."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while listed
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def run_local_pod(pod: LocalPod, *, stop: threading.Event, on_ready: Callable[[LocalPod], None],
                   grace_s: float = 30.0) -> int:
     """Init containers in order, then the containers until `stop` is set or one exits; 0 on a clean stop."""
@@ -229,7 +271,7 @@ def run_local_pod(pod: LocalPod, *, stop: threading.Event, on_ready: Callable[[L
     running: list[tuple[LocalProcess, subprocess.Popen[bytes]]] = []
     try:
         for proc in pod.containers:
-            running.append((proc, subprocess.Popen(proc.argv, env=proc.env)))
+            running.append((proc, start_container(proc)))
         budget = max([p.period_s * p.failures for p in (c.startup or c.readiness for c in pod.containers) if p]
                      or [60.0])
         deadline = time.monotonic() + budget
@@ -242,13 +284,4 @@ def run_local_pod(pod: LocalPod, *, stop: threading.Event, on_ready: Callable[[L
                     raise LocalPodError(f"container {proc.name} exited ({popen.returncode})")
         return 0
     finally:
-        for _, popen in running:  # SIGTERM, as the kubelet sends it: each drains within the grace period
-            if popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, popen in running:
-            try:
-                popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+        stop_containers([popen for _, popen in running], grace_s=grace_s)

@@ -14,7 +14,9 @@ work directory, as a container runs in its image's, not in this checkout.
 
 While the pod starts, the proxy's /ready and the engine's port are polled and written to --state (JSON),
 with the URLs, the engine's pid and the API key; the command then runs with VLLM_LANE_STATE pointing at
-it. The pod is stopped (SIGTERM, as the kubelet does) when the command ends; the exit status is its.
+it. The pod is stopped when the command ends as `decodectl up` stops it (SIGTERM to each container's main
+process, as the kubelet sends it, then SIGKILL to what is left of its process group, as the container's end
+takes it); a process of the pod still alive after that fails the run. The exit status is the command's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +36,13 @@ import httpx
 import yaml
 
 from decodeservice.operator.engines import ENGINE_PORT, PROXY_PORT
-from decodeservice.operator.local_pod import LocalProcess, plan_local_pod
+from decodeservice.operator.local_pod import (
+    LocalProcess,
+    living_in_group,
+    plan_local_pod,
+    start_container,
+    stop_containers,
+)
 from decodeservice.operator.manifests import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +100,7 @@ def main() -> int:
     procs: list[tuple[LocalProcess, subprocess.Popen[bytes]]] = []
     try:
         for proc in (engine, byname["proxy"]):
-            procs.append((proc, subprocess.Popen(proc.argv, env=proc.env, cwd=args.workdir)))
+            procs.append((proc, start_container(proc, cwd=args.workdir)))
         state["engine_pid"] = procs[0][1].pid
         started = time.monotonic()
         with httpx.Client(timeout=2.0) as client:
@@ -115,18 +122,18 @@ def main() -> int:
         state["ready_after_s"] = round(time.monotonic() - started, 1)
         print(f"ready after {state['ready_after_s']} s: {pod.url}", flush=True)
         args.state.write_text(json.dumps(state, indent=1), encoding="utf-8")
-        return subprocess.run(command, env={**os.environ, "VLLM_LANE_STATE": str(args.state)},
-                              check=False).returncode
+        returncode = subprocess.run(command, env={**os.environ, "VLLM_LANE_STATE": str(args.state)},
+                                    check=False).returncode
     finally:
-        for _, popen in procs:
-            if popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
-        for _, popen in procs:
-            try:
-                popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+        stop_containers([popen for _, popen in procs], grace_s=30.0)
+    # Signals are delivered before this looks, but a process dies on its next scheduling: give it a moment.
+    deadline = time.monotonic() + 10.0
+    while left := {proc.name: pids for proc, popen in procs if (pids := living_in_group(popen.pid))}:
+        if time.monotonic() > deadline:
+            print(f"processes of the pod outlived it: {left}", file=sys.stderr, flush=True)
+            return 1
+        time.sleep(0.2)
+    return returncode
 
 
 if __name__ == "__main__":

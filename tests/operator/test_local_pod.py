@@ -9,12 +9,20 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from decodeservice.operator.local_pod import LocalPodError, plan_local_pod
+from decodeservice.operator.local_pod import (
+    LocalPod,
+    LocalPodError,
+    LocalProcess,
+    living_in_group,
+    plan_local_pod,
+    run_local_pod,
+)
 from decodeservice.operator.manifests import render
 from tests.operator.helpers import EXAMPLES, load
 
@@ -60,6 +68,55 @@ def test_a_download_runs_as_its_init_container_with_local_paths(tmp_path: Path) 
     body["spec"]["model"]["cache"] = {"claimName": "shared"}
     with pytest.raises(LocalPodError, match="--volume model-cache=PATH"):
         plan_local_pod(render(body), workdir=tmp_path, ports={8000: 1, 8001: 2}, host_env={"HF_TOKEN": "t"})
+
+
+# A container whose main process starts a helper of its own (as vLLM's API server starts its engine core),
+# drains on SIGTERM and exits, leaving the helper running.
+_FORKING_CONTAINER = """
+import pathlib, signal, subprocess, sys
+out = pathlib.Path(sys.argv[1])
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+(out / "helper.pid").write_text(str(helper.pid))
+def drain(*_):
+    (out / "drained").write_text("yes")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, drain)
+signal.pause()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from Linux's /proc")
+def test_a_stopped_pod_leaves_no_process_behind(tmp_path: Path) -> None:
+    container = LocalProcess(name="engine", argv=[sys.executable, "-c", _FORKING_CONTAINER, str(tmp_path)], env={})
+    stop, seen = threading.Event(), {}
+
+    def on_ready(_: LocalPod) -> None:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "helper.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["helper"] = int((tmp_path / "helper.pid").read_text())
+        seen["group"] = living_in_group(_group_of(seen["helper"]))
+        stop.set()
+
+    assert run_local_pod(LocalPod(init=[], containers=[container], url=""), stop=stop, on_ready=on_ready,
+                         grace_s=10) == 0
+    assert seen["helper"] in seen["group"], seen  # the helper was in the container's group while it ran
+    assert (tmp_path / "drained").read_text() == "yes"  # SIGTERM first: the main process drained
+    deadline = time.monotonic() + 5
+    while _alive(seen["helper"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(seen["helper"]), "the container's helper outlived its pod"
+
+
+def _group_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_decodectl_up_serves_the_cpu_smoke_example(tmp_path: Path) -> None:
