@@ -17,7 +17,9 @@ One client for every server (`decodectl bench`'s, loadgen/client.py): streamed c
   /metrics around the singles) and what the client waited beyond it (`outside_server_ttft_s`: HTTP, the
   chat template, tokenization, SSE);
 - `--streams` requests sent at once: output tokens/s (all output tokens / first send to last end) and
-  the TTFT median over the streams.
+  the TTFT median over the streams;
+- the client's CPU per output token in each part (`client_cpu_ms_per_token_*`, this process's user and
+  system time): it runs on the cores the server uses, so served / in-process charges it to the server.
 Every request's prompt is a ~`--prompt-tokens`-token chat message that starts with a fresh random tag, so
 no server finds a cached prefix. All servers are up for the whole run (idle ones wait on a socket) and
 the rounds interleave the lanes, rotating their order, so each round sees one state of a shared machine;
@@ -110,6 +112,19 @@ def summarize(singles: list[Timed], burst: list[Timed], output_tokens: int) -> d
             "streams_wall_s": wall,
             "singles_ttft_s": [t.ttft for t in singles],
             **({"wrong_output_lengths": short} if short else {})}
+
+
+def client_cpu_s() -> float:
+    """This process's CPU seconds: the client's (an HTTP lane's), or the pipe reads of the in-process one."""
+    times = os.times()
+    return times.user + times.system
+
+
+def client_cpu(singles_s: float, singles: list[Timed], burst_s: float, burst: list[Timed]) -> dict[str, float]:
+    """The client's CPU per output token, on the same cores as the server it measures: part of what
+    served / in-process charges the server (the in-process lane has no HTTP client)."""
+    return {"client_cpu_ms_per_token_singles": 1000 * singles_s / max(1, sum(t.tokens for t in singles)),
+            "client_cpu_ms_per_token_burst": 1000 * burst_s / max(1, sum(t.tokens for t in burst))}
 
 
 def server_share(singles: list[Timed], before: tuple[float, float] | None,
@@ -217,10 +232,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     settled_s = await settle()
                     load = os.getloadavg()
                     before = await lane.server_ttft()
+                    cpu_before = client_cpu_s()
                     singles = [(await lane.run([fresh(body, args.output_tokens)]))[0] for _ in range(args.singles)]
+                    cpu_singles = client_cpu_s() - cpu_before
                     split = server_share(singles, before, await lane.server_ttft())
+                    cpu_before = client_cpu_s()
                     burst = await lane.run([fresh(body, args.output_tokens) for _ in range(args.streams)])
+                    cpu_burst = client_cpu_s() - cpu_before
                     results[lane.name] = {**summarize(singles, burst, args.output_tokens), **split,
+                                          **client_cpu(cpu_singles, singles, cpu_burst, burst),
                                           "load_avg_at_start": load, "settled_s": settled_s}
                     print(f"round {index + 1} {lane.name}: {json.dumps(results[lane.name])}", file=sys.stderr)
                 per_round.append(results)
