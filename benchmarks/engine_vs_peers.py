@@ -209,6 +209,8 @@ def llama_cpp_variant(prompts: dict[str, str], args: argparse.Namespace) -> dict
     two_clocks(prompts["chat"], 8)
     result: dict[str, Any] = {"version": llama_cpp.__version__, "weights": "gguf Q4_1 (its own kernels)",
                               "threads": args.threads,
+                              # which of its kernels this build has (AVX2 only, AVX-512...): set when built
+                              "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
                               "streams_note": "aggregate: llama.cpp's own batching of N sequences in one "
                                               "context, as llama-server -np N does (llama_cpp_batched.py)"}
     result["ttft_s"] = statistics.median(two_clocks(prompts["summarize"], 2)[0] for _ in range(args.repeats))

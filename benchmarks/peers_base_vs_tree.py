@@ -28,7 +28,7 @@ FIGURES = {"ttft_s": "ttft_s", "decode_tok_s": "decode_tokens_per_s_chat",
            "aggregate_32_tok_s": "aggregate_32_streams_tokens_per_s"}
 
 
-def run_child(variant: str, pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, float]:
+def run_child(variant: str, pythonpath: Path | None, dispatch: str, out: Path) -> dict[str, Any]:
     subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "engine_vs_peers.py"), "--threads", "2",
                     "--decode-tokens", "32", "--repeats", "1", "--rounds", "1", "--profile-threads", "2",
                     "--variants", variant, "--out", str(out)],
@@ -36,7 +36,10 @@ def run_child(variant: str, pythonpath: Path | None, dispatch: str, out: Path) -
     result = json.loads(out.read_text())["variants"][variant]
     if "skipped" in result:
         raise SystemExit(f"{variant}: {result['skipped']}")
-    return {name: float(result[key]) for name, key in FIGURES.items()}
+    figures: dict[str, Any] = {name: float(result[key]) for name, key in FIGURES.items()}
+    if "system_info" in result:  # llama.cpp's: which of its kernels the installed build has
+        figures["system_info"] = result["system_info"]
+    return figures
 
 
 def main() -> int:
