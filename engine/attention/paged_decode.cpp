@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -275,14 +276,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                              static_cast<double>(until[static_cast<size_t>(i + 1)]) - target) ++i;  // the nearer end
     deal[static_cast<size_t>(p)] = i;
   }
-  std::vector<float> maxes(static_cast<size_t>(results * h)), sums(static_cast<size_t>(results * h));
-  std::vector<float> accs(static_cast<size_t>(results * h * d));
+  // Every piece's max, sum and output, written by its item before the merge reads them: left uninitialized
+  // (a value-initialized vector zeroed ~2 MB a layer for a prompt chunk, all overwritten).
+  std::unique_ptr<float[]> maxes(new float[static_cast<size_t>(results * h)]);
+  std::unique_ptr<float[]> sums(new float[static_cast<size_t>(results * h)]);
+  std::unique_ptr<float[]> accs(new float[static_cast<size_t>(results * h * d)]);
   const T* k_pool = k_cache.data_ptr<T>();
   const T* v_pool = v_cache.data_ptr<T>();
   const TQ* q_data = q.data_ptr<TQ>();
   const int64_t chunks = d / kLanes;
-  std::vector<int64_t> order(static_cast<size_t>(d));  // element e's place in stored order
-  for (int64_t e = 0; e < d; ++e) order[static_cast<size_t>(e)] = stored_index<T>(e);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries;  // the tile's queries: scaled, stored order (one parallel region less)
     std::vector<int64_t> offsets, row_keys;
@@ -299,13 +301,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         queries.resize(static_cast<size_t>(tile.rows * h * d));
         const TQ* q_rows = q_data + tile.first_row * h * d;
         for (int64_t row = 0; row < tile.rows * h; ++row)
-          for (int64_t e = 0; e < d; ++e)
-            queries[static_cast<size_t>(row * d + order[static_cast<size_t>(e)])] =
-                static_cast<float>(q_rows[row * d + e]) * static_cast<float>(scale);
+          load_query<T>(q_rows + row * d, d, static_cast<float>(scale), queries.data() + row * d);
         converted = item.tile;
       }
       const float* qs = queries.data();
-      float *m = maxes.data() + item.result * h, *l = sums.data() + item.result * h, *acc = accs.data() + item.result * h * d;
+      float *m = maxes.get() + item.result * h, *l = sums.get() + item.result * h, *acc = accs.get() + item.result * h * d;
 #define DECODESERVICE_ATTEND(K) \
   attend_tile<K>(qs, k_pool, v_pool, offsets, item.num_keys, tile.rows, row_keys.data(), hkv, groups, m, l, acc, scores)
       switch (chunks) {
@@ -334,11 +334,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const int64_t at = (items[static_cast<size_t>(i)].result + r) * h + head;
           const float weight = std::exp(maxes[static_cast<size_t>(at)] - peak);
           total += weight * sums[static_cast<size_t>(at)];
-          const float* acc = accs.data() + at * d;
-          for (int64_t e = 0; e < d; ++e) merged[static_cast<size_t>(e)] += weight * acc[e];
+          const float* acc = accs.get() + at * d;
+          const Vec w = broadcast(weight);
+          for (int64_t e = 0; e < d; e += kLanes) store(merged.data() + e, fmadd(w, load(acc + e), load(merged.data() + e)));
         }
-        TQ* dst = out_data + (s * h + head) * d;
-        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<TQ>(merged[static_cast<size_t>(order[static_cast<size_t>(e)])] / total);
+        store_result<T>(merged.data(), total, d, out_data + (s * h + head) * d);
       }
     }
   });

@@ -28,6 +28,7 @@ inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
 inline Vec round_down(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
@@ -56,6 +57,7 @@ inline float sum(Vec v) {
 }
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline float reduce_max(Vec v) {
   const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -146,14 +148,6 @@ inline void load_row(const int8_t* p, Vec* row) {
   }
 }
 
-// Where element e of a row sits in stored order (the identity for fp32).
-template <typename T>
-int64_t stored_index(int64_t e) {
-  if (!std::is_same<T, c10::BFloat16>::value) return e;
-  const int64_t pair = e / (2 * kLanes), within = e % (2 * kLanes);
-  return (2 * pair + (within & 1)) * kLanes + within / 2;
-}
-
 // The horizontal sums of kKeys dot vectors into `out` (kKeys consecutive scores). Four at once share
 // their shuffles (13 operations instead of 4 x 8): the per-key sum was most of the score pass.
 template <int64_t kKeys>
@@ -172,6 +166,75 @@ inline void store_sums(const Vec* dot, float* out) {
   }
 #endif
   for (int64_t i = 0; i < kKeys; ++i) out[i] = sum(dot[i]);
+}
+
+// A query row of D elements (TQ), times `scale`, into `out` in T's stored order: what load_row makes of a K
+// row (bf16: evens, odds per pair of vectors), so that score_keys' lanes pair up. Each value is
+// float(q) * scale, as a scalar loop computes it.
+template <typename T, typename TQ>
+inline void load_query(const TQ* q, int64_t d, float scale, float* out) {
+  const Vec factor = broadcast(scale);
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    for (int64_t c = 0; c < d / kLanes; c += 2) {
+      Vec pair[2];
+      load_row<2>(q + c * kLanes, pair);
+      store(out + c * kLanes, mul(pair[0], factor));
+      store(out + (c + 1) * kLanes, mul(pair[1], factor));
+    }
+  } else {
+    for (int64_t e = 0; e < d; e += kLanes) store(out + e, mul(load(q + e), factor));
+  }
+}
+
+#ifdef __AVX512F__
+using Bits = __m512i;
+inline Bits as_bits(Vec v) { return _mm512_castps_si512(v); }
+// fp32 -> bf16 rounded to nearest even, NaN to 0x7FC0 (c10::BFloat16's conversion), in each lane's low half.
+inline Bits bf16_bits(Vec v) {
+  const Bits bits = as_bits(v);
+  const Bits bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                     _mm512_set1_epi32(0x7FFF));
+  const Bits rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline void store_pairs(c10::BFloat16* out, Bits low, Bits high) {  // 2 * kLanes bf16: low[i], high[i], ...
+  _mm512_storeu_si512(out, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+}
+inline void store_halves(c10::BFloat16* out, Bits v) {  // kLanes bf16: each lane's low half
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(v));
+}
+#else
+using Bits = __m256i;
+inline Bits as_bits(Vec v) { return _mm256_castps_si256(v); }
+inline Bits bf16_bits(Vec v) {
+  const Bits bits = as_bits(v);
+  const Bits bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                     _mm256_set1_epi32(0x7FFF));
+  const Bits rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline void store_pairs(c10::BFloat16* out, Bits low, Bits high) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(low, _mm256_slli_epi32(high, 16)));
+}
+inline void store_halves(c10::BFloat16* out, Bits v) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+#endif
+
+// A row's merged sums (D, T's stored order) divided by `total` into `out` (TQ) in natural order: bf16 pools'
+// evens and odds interleave again as the halves of 32-bit words. Each value is TQ(merged / total).
+template <typename T, typename TQ>
+inline void store_result(const float* merged, float total, int64_t d, TQ* out) {
+  const Vec divisor = broadcast(total);
+  if constexpr (std::is_same<TQ, float>::value) {
+    for (int64_t e = 0; e < d; e += kLanes) store(out + e, div(load(merged + e), divisor));
+  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    for (int64_t e = 0; e < d; e += 2 * kLanes)
+      store_pairs(out + e, bf16_bits(div(load(merged + e), divisor)), bf16_bits(div(load(merged + e + kLanes), divisor)));
+  } else {
+    for (int64_t e = 0; e < d; e += kLanes) store_halves(out + e, bf16_bits(div(load(merged + e), divisor)));
+  }
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from decodeservice.engine.quant.step_rows import tiled_linear
-from decodeservice.engine.quant.w8a8 import quantize_int8, quantize_rows
+from decodeservice.engine.quant.w8a8 import int8_matmul, quantize_int8
 
 # Rows a prompt chunk has: max_num_batched_tokens' default (512) and half of it (a prompt's last chunk).
 PROMPT_ROWS = (256, 512)
@@ -108,10 +108,7 @@ class Int8Copy:
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """(M, K) float -> (M, N) in the rows' dtype."""
-        xq, row_scale = quantize_rows(rows)  # (M, K) int8, (M, 1) fp32
-        acc = torch._int_mm(xq, self.codes)  # (M, N) int32, exact
-        out: torch.Tensor = acc.float().mul_(row_scale).mul_(self.scales).to(rows.dtype)
-        return out
+        return int8_matmul(rows, self.codes, self.scales)
 
 
 def race_int8(best: Callable[[torch.Tensor], torch.Tensor], copy: Int8Copy, x: torch.Tensor, *,
