@@ -32,7 +32,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 # fp32 per row) stay in L1/L2 (benchmarks/prompt_attention.py measures decode and prompt rows).
 CHUNK = 256
 # Consecutive rows of one sequence (a prompt chunk, a verify) read each K/V row once for up to this many
-# rows: a prompt's rows otherwise each stream their keys anew (benchmarks/prompt_attention.py).
+# rows: a prompt's rows otherwise each stream their keys anew (benchmarks/prompt_attention.py). The default;
+# the engine's plan times the heights on its CPU (engine/plan/attention_tiles.py).
 TILE_ROWS = 16
 # Spans of up to this many new tokens take the kernel, a row per token (build_decode_group): a verify of
 # up to 8 drafts (benchmarks/spec_decode.py measures the verify cost it gives). Prompt spans take it
@@ -61,13 +62,16 @@ class DecodeGroup:
     context_lens: torch.Tensor  # (B,) int32
     covers_all_in_order: bool  # the decodes are tokens 0 .. B - 1 in order
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, module: ModuleType) -> torch.Tensor:
-        """q (N, H, D) -> (B, H, D) for the group's decodes."""
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, module: ModuleType,
+               tile_rows: int = TILE_ROWS) -> torch.Tensor:
+        """q (N, H, D) -> (B, H, D) for the group's decodes; `tile_rows`: the plan's tile height (same bits at any)."""
         b = self.token_index.shape[0]
         queries = (q[:b] if self.covers_all_in_order else q.index_select(0, self.token_index)).contiguous()
         if k_cache.dtype == torch.int8:
-            return paged_decode_int8(queries, k_cache, v_cache, self.block_tables, self.context_lens, module=module)
-        return paged_decode(queries, k_cache, v_cache, self.block_tables, self.context_lens, module=module)
+            return paged_decode_int8(queries, k_cache, v_cache, self.block_tables, self.context_lens, module=module,
+                                     tile_rows=tile_rows)
+        return paged_decode(queries, k_cache, v_cache, self.block_tables, self.context_lens, module=module,
+                            tile_rows=tile_rows)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

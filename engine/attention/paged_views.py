@@ -49,7 +49,8 @@ class PagedViewsBackend:
     name = "paged_views"
 
     def __init__(self, *, kernel: ModuleType | None = None, kv_int8: bool = False,
-                 kernel_max_new: int = native_decode.MAX_NEW, deterministic: bool = False) -> None:
+                 kernel_max_new: int = native_decode.MAX_NEW, deterministic: bool = False,
+                 tile_rows: int = native_decode.TILE_ROWS) -> None:
         """Every choice is the engine's plan (engine/plan), handed down here once; nothing changes after."""
         # native_decode.decode_extension() where it applies to the model (fp32/bf16 caches, int8 pools), or None
         self.kernel = kernel
@@ -62,6 +63,9 @@ class PagedViewsBackend:
         # Every span through the kernel (the module's docstring); the engine refuses the mode where the
         # kernel is not built.
         self.deterministic = deterministic
+        # The kernel's tile height for a span's consecutive rows (the plan's, timed on this CPU; the same
+        # bits at any height: engine/plan/attention_tiles.py).
+        self.tile_rows = tile_rows
 
     def plan(self, meta: AttentionMetadata, *, dtype: torch.dtype) -> PagedViewsMetadata:
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(AttentionMetadata)}
@@ -81,7 +85,7 @@ class PagedViewsBackend:
         group = meta.decode_group if isinstance(meta, PagedViewsMetadata) and self.kernel is not None else None
         if group is not None:
             assert self.kernel is not None
-            decoded = group.attend(q, k_cache, v_cache, module=self.kernel)  # (B, H, D)
+            decoded = group.attend(q, k_cache, v_cache, module=self.kernel, tile_rows=self.tile_rows)  # (B, H, D)
             if len(group.span_indices) == len(meta.spans) and group.covers_all_in_order:
                 return decoded  # every token of the step is the kernel's
         out = torch.empty_like(q)  # (N, H, D)

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from decodeservice.engine.attention import native_decode
 from decodeservice.engine.elementwise import ElementwisePlan
 from decodeservice.engine.quant.kernel_plan import KernelPlan
 from decodeservice.engine.spec_decode.policy import StepCostCurve
+
+if TYPE_CHECKING:  # plan/attention_tiles.py imports MEASURED_NOW from here
+    from decodeservice.engine.plan.attention_tiles import TileChoice
 
 CONFIGURED, MEASURED_NOW = "configured", "measured now"
 
@@ -49,6 +53,12 @@ class CpuAttentionPlan:
     kv_int8: bool  # the pools hold int8 rows
     deterministic: bool  # every span through the kernel, a row per token
     why: str
+    # The kernel's tile height for a span's rows, timed on this CPU (plan/attention_tiles.py); None: no kernel.
+    tiles: TileChoice | None = None
+
+    @property
+    def tile_rows(self) -> int:
+        return self.tiles.rows if self.tiles is not None else native_decode.TILE_ROWS
 
     @property
     def backend(self) -> str:
@@ -57,7 +67,8 @@ class CpuAttentionPlan:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "native_decode": self.kernel is not None,
                 "native_prompt": self.kernel is not None, "kv_int8": self.kv_int8,
-                "deterministic": self.deterministic, "why": self.why, "source": "capability"}
+                "deterministic": self.deterministic, "why": self.why, "source": "capability",
+                "tiles": self.tiles.describe() if self.tiles is not None else None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +149,9 @@ class ExecutionPlan:
             route = "the native kernel" if att.kernel is not None else "the plain path (gather + SDPA)"
             lines.append(f"attention: {att.backend}; decodes, verifies and prompt spans take {route} - {att.why} "
                          "[capability]")
+            if att.tiles is not None:
+                lines.append(f"  tiles of {att.tiles.rows} prompt rows; us per {'/'.join(map(str, att.tiles.timings_us))}"
+                             f" rows: {'/'.join(f'{us:.0f}' for us in att.tiles.timings_us.values())} [{att.tiles.source}]")
         else:
             lines.append(f"attention: {att.backend} - {att.why} [capability]")
         if self.kernels is not None:

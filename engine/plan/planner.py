@@ -19,6 +19,7 @@ from decodeservice.engine.config import EngineConfig, ModelConfig
 from decodeservice.engine.elementwise import ElementwisePlan
 from decodeservice.engine.errors import ConfigError
 from decodeservice.engine.kv_cache import cdiv
+from decodeservice.engine.plan.attention_tiles import choose_tile_rows
 from decodeservice.engine.plan.execution import (
     CONFIGURED,
     AttentionPlan,
@@ -86,7 +87,11 @@ def _cpu_attention(config: EngineConfig, cfg: ModelConfig, *, activations: torch
     else:
         why = (f"the native kernel takes float32 or bfloat16 and head_dim 32, 64 or 128, not "
                f"{str(activations).removeprefix('torch.')} and {cfg.head_dim}")
-    return CpuAttentionPlan(kernel=native, kv_int8=kv.dtype == torch.int8, deterministic=config.deterministic, why=why)
+    tiles = None if native is None else choose_tile_rows(
+        native, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, activations=activations,
+        kv_int8_rows=kv.dtype == torch.int8)
+    return CpuAttentionPlan(kernel=native, kv_int8=kv.dtype == torch.int8, deterministic=config.deterministic, why=why,
+                            tiles=tiles)
 
 
 def _cuda_attention(config: EngineConfig, *, device: torch.device, num_blocks: int) -> CudaAttentionPlan:
@@ -109,7 +114,8 @@ def build_backend(plan: AttentionPlan, *, num_blocks: int, block_size: int, devi
     if isinstance(plan, CpuAttentionPlan):
         from decodeservice.engine.attention.paged_views import PagedViewsBackend
 
-        return PagedViewsBackend(kernel=plan.kernel, kv_int8=plan.kv_int8, deterministic=plan.deterministic)
+        return PagedViewsBackend(kernel=plan.kernel, kv_int8=plan.kv_int8, deterministic=plan.deterministic,
+                                 tile_rows=plan.tile_rows)
     if plan.backend == "flex":
         from decodeservice.engine.attention.flex import FlexPagedBackend
 

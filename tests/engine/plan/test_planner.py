@@ -31,6 +31,9 @@ def test_each_component_gets_its_part_of_the_plan_at_construction(tiny: ModelBun
     assert isinstance(backend, PagedViewsBackend)
     assert backend.kernel is plan.attention.kernel
     assert backend.kv_int8 is plan.attention.kv_int8 is False and engine.kv_dtype == plan.kv.dtype
+    assert backend.tile_rows == plan.attention.tile_rows
+    if plan.attention.kernel is not None:  # the tile height was timed (or read back) for this model's shape
+        assert plan.attention.tiles is not None and plan.attention.tile_rows in plan.attention.tiles.timings_us
     assert plan.step.executor == "eager" and plan.kernels is None and plan.speculation is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.attention.kernel = None  # type: ignore[misc]
