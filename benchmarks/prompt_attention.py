@@ -1,4 +1,4 @@
-"""The native attention kernel before and after a change, in one run: a prompt's rows and one long decode.
+"""The native attention kernel before and after a change, in one run: a prompt's rows, one long decode, 16 decodes.
 
     .venv/bin/python -P benchmarks/prompt_attention.py [--before REV] [--threads 2] [--rounds 15]
         [--tokens 490] [--decode-keys 2600] [--out FILE]
@@ -9,7 +9,9 @@ where its kernel has them), built beside this tree's into the kernel cache; `row
 tree's kernel a row at a time (tile_rows=1); `tiled`, this tree's kernel as the engine calls it.
 Workloads, the bundled model's attention shape (9 query heads, 3 K/V heads, D 64, bf16 pools, blocks of 16
 scattered over the pool, one pool per layer): `prompt`, the kernel rows of a --tokens prefill (row i sees
-keys 0..i), 30 layers; `decode`, one row over --decode-keys keys, 30 layers. Milliseconds per pass of the
+keys 0..i), 30 layers; `decode`, one row over --decode-keys keys, 30 layers; `decodes_16`, a decode row
+for each of 16 sequences of --tokens to --tokens + 59 keys with their own blocks (a step of 16 streams after
+their prompts), 30 layers. Milliseconds per pass of the
 30 layers: per kernel the median and min over the rounds, and the per-round ratio to `before` (median,
 range). Every kernel's output is checked against `before`'s within bf16 rounding, and `rows` against
 `tiled` bit for bit.
@@ -81,6 +83,21 @@ def workload(rows: int, first_len: int, gen: torch.Generator) -> list[tuple[torc
     return layers
 
 
+def decodes_workload(streams: int, keys: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: one decode row for each of `streams` sequences of keys .. keys + 59 keys, each with its own
+    blocks scattered over one pool, as a step of concurrent streams reads them."""
+    lengths = torch.randint(keys, keys + 60, (streams,), generator=gen).to(torch.int32)
+    width = -(-int(lengths.max()) // BLOCK)
+    layers = []
+    for _ in range(LAYERS):
+        num_blocks = streams * width + 8
+        k, v = (torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
+        tables = torch.randperm(num_blocks, generator=gen)[: streams * width].view(streams, width).to(torch.int32)
+        q = torch.randn(streams, HEADS, HEAD_DIM, generator=gen).bfloat16()
+        layers.append((q, k, v, tables.contiguous(), lengths))
+    return layers
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--before", default="d201a72", help="the revision before the tiles")
@@ -103,7 +120,8 @@ def main() -> int:
         "tiled": lambda q, k, v, t, n: native_decode.paged_decode(q, k, v, t, n, module=now),
     }
     gen = torch.Generator().manual_seed(0)
-    workloads = {"prompt": workload(args.tokens, 1, gen), "decode": workload(1, args.decode_keys, gen)}
+    workloads = {"prompt": workload(args.tokens, 1, gen), "decode": workload(1, args.decode_keys, gen),
+                 "decodes_16": decodes_workload(16, args.tokens, gen)}
     checks = {}
     for name, layers in workloads.items():
         outs = {kernel: run(*layers[0]) for kernel, run in kernels.items()}
