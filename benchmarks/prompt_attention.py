@@ -40,7 +40,7 @@ from json_out import emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 FILES = ("engine/attention/paged_decode.cpp", "engine/attention/paged_decode_vectors.h",
-         "engine/attention/paged_decode_int8_rows.h")
+         "engine/attention/paged_decode_items.h", "engine/attention/paged_decode_int8_rows.h")
 
 
 def build_before(rev: str, folder: Path) -> Callable[..., torch.Tensor]:

@@ -24,7 +24,8 @@ from decodeservice.engine.attention.metadata import SequenceSpan
 from decodeservice.engine.cpp_extensions import build_extension
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
-HEADERS = (Path(__file__).with_name("paged_decode_vectors.h"), Path(__file__).with_name("paged_decode_int8_rows.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in (
+    "paged_decode_vectors.h", "paged_decode_items.h", "paged_decode_int8_rows.h"))
 DTYPES = (torch.float32, torch.bfloat16)
 # Keys per work item: every row's keys split at the multiples of CHUNK, whatever its length and the thread
 # count, so that a row's result is the same alone, in a batch or in a tile of its prompt. Small enough
