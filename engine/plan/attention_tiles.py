@@ -4,9 +4,9 @@ A tile reads each K/V row once for all of its rows (attention/paged_decode.cpp),
 same bits at every height (tests/engine/attention/test_native_tiles.py), so the height is a matter of speed
 alone, and the CPU decides it: a taller tile shares each K/V row among more rows, but its scores (rows x
 heads x CHUNK fp32) outgrow L1. Where the AVX-512 build holds four keys' K rows in registers across a
-tile's rows, 16 rows measured fastest; under the AVX2 dispatch, 4 (benchmarks/prompt_attention.py,
-docs/performance.md). So the engine's plan times the heights on the model's attention shape at start-up
-and keeps the answer per CPU, dispatch, thread count and kernel build (quant/plan_cache.py).
+tile's rows, 16 rows measured fastest; under the AVX2 dispatch 4 over bf16 pools and 8 over int8 rows
+(docs/performance.md). So the engine's plan times the heights on the model's attention shape and pool rows
+at start-up and keeps the answer per CPU, dispatch, thread count and kernel build (quant/plan_cache.py).
 """
 
 from __future__ import annotations
