@@ -76,7 +76,10 @@ def scale_sums_torch(sums: torch.Tensor, row_scale: torch.Tensor, col_scale: tor
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (M, K) int8 codes in [-127, 127] and (M, 1) fp32 scales (symmetric, per row)."""
-    module = _native_rows(x)
+    return _quantize_rows(x, _native_rows(x))
+
+
+def _quantize_rows(x: torch.Tensor, module: ModuleType | None) -> tuple[torch.Tensor, torch.Tensor]:
     if module is None or x.dim() != 2 or not x.is_contiguous():
         return quantize_rows_torch(x)
     codes = torch.empty(x.shape, dtype=torch.int8)
@@ -88,9 +91,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_matmul(x: torch.Tensor, codes_kn: torch.Tensor, col_scale: torch.Tensor) -> torch.Tensor:
     """x (M, K) float @ (codes_kn (K, N) int8 * col_scale (N,) fp32) -> (M, N) in x's dtype: the rows
     quantized per row, the int32 sums exact (`torch._int_mm`: oneDNN, VNNI where the CPU has it)."""
-    xq, row_scale = quantize_rows(x)
-    sums = torch._int_mm(xq, codes_kn)  # (M, N) int32
     module = _native_rows(x)
+    xq, row_scale = _quantize_rows(x, module)
+    sums = torch._int_mm(xq, codes_kn)  # (M, N) int32
     if module is None or not col_scale.is_contiguous() or col_scale.dtype != torch.float32:
         return scale_sums_torch(sums, row_scale, col_scale, x.dtype)
     out = torch.empty(sums.shape, dtype=x.dtype)
