@@ -1,5 +1,5 @@
 // A layer's elementwise steps in one pass each (engine/elementwise.py): RMSNorm (with the residual add
-// before it), SiLU(gate) * up, and the rotary embedding of q and k. In torch ops they are two to eight
+// before it), SiLU(gate) * up, and the rotary embedding of q and k; and the greedy token of each row of logits. In torch ops they are two to eight
 // passes over the rows, each with its own output tensor and dispatch (benchmarks/elementwise_passes.py
 // measures what one pass saves).
 //
@@ -255,6 +255,46 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   }
 }
 
+// Each row's first maximal index, a NaN counted as maximal (its first NaN): torch.max(dim=-1)'s indices. torch's
+// index-returning reductions carry a (value, index) pair per element; here one vector pass finds the row's
+// maximum (NaN-propagating) and a second the first lane equal to it, both over a row that stays in L2.
+void argmax_rows(const at::Tensor& logits, at::Tensor& out) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "logits (S, V) fp32 contiguous, V > 0");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == logits.size(0) && out.scalar_type() == at::kLong, "out (S,) int64");
+  using Vec = Vectorized<float>;
+  const int64_t n = logits.size(0), v = logits.size(1), vector_end = v - v % Vec::size();
+  const float* src = logits.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, grain(v), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = src + r * v;
+      float best = row[0];
+      if (vector_end > 0) {
+        Vec top = Vec::loadu(row);
+        for (int64_t j = Vec::size(); j < vector_end; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(row + j));
+        float lanes[Vec::size()];
+        top.store(lanes);
+        best = lanes[0];
+        for (int64_t i = 1; i < Vec::size(); ++i)
+          if (std::isnan(lanes[i]) || lanes[i] > best) best = lanes[i];  // a NaN best stays one
+      }
+      for (int64_t j = vector_end; j < v; ++j)
+        if (std::isnan(row[j]) || row[j] > best) best = row[j];
+      const bool nan = std::isnan(best);
+      const Vec target(best);
+      int64_t index = 0, j = 0;
+      for (; j < vector_end; j += Vec::size()) {
+        const Vec x = Vec::loadu(row + j);
+        if (~(nan ? x.isnan() : (x == target)).zero_mask() & ((1 << Vec::size()) - 1)) break;
+      }
+      for (index = j; index < v; ++index)
+        if (nan ? std::isnan(row[index]) : row[index] == best) break;
+      dst[r] = index;
+    }
+  });
+}
+
 }  // namespace
 
 // Each call lets go of the GIL while it computes (it touches no Python object).
@@ -264,4 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate", &rotate, "the rotary embedding of (N, heads, D) rows", no_gil);
   m.def("rms_norm", &rms_norm, "engine/model.py's RMSNorm of (N, C) rows", no_gil);
   m.def("add_rms_norm", &add_rms_norm, "a residual add, then RMSNorm of the sum", no_gil);
+  m.def("argmax_rows", &argmax_rows, "each row's first maximal index (NaN maximal), as torch.max(dim=-1)", no_gil);
 }

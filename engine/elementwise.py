@@ -1,5 +1,6 @@
 """A layer's elementwise steps as one native pass each (elementwise.cpp): RMSNorm (with the residual add
-before it), SiLU(gate) * up and the rotary embedding, bit for bit the torch ops they replace.
+before it), SiLU(gate) * up and the rotary embedding, bit for bit the torch ops they replace; and the greedy
+token of each row of a step's logits, torch.max's index.
 
 Built at first use for the ISA ATen dispatches to and cached (engine/cpp_extensions.py). A build that
 fails, or one whose results differ from torch's by one bit, is logged and left out: the torch ops run, as
@@ -129,10 +130,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: Module
     return out
 
 
+def greedy_tokens(logits: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
+    """(S, V) logits -> (S,) int64: each row's first maximal index, a NaN counted as maximal, as
+    `logits.max(dim=-1).indices` (several times faster on CPU than `argmax`) gives it."""
+    module = _native(kernel, logits)
+    if module is None or logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return logits.max(dim=-1).indices
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    module.argmax_rows(logits, out)
+    return out
+
+
 def _agrees_with_torch(module: ModuleType) -> bool:
     """Bit for bit torch's ops: every bf16 value through SiLU, random rows whose length leaves a scalar
-    tail, the rotation of bf16 and fp32 heads, and RMSNorm (with and without the add) over rows of widths
-    that exercise its sum's vectors, accumulators and tails, at three magnitudes."""
+    tail, the rotation of bf16 and fp32 heads, RMSNorm (with and without the add) over rows of widths
+    that exercise its sum's vectors, accumulators and tails, at three magnitudes, and the greedy token
+    over rows with ties, NaNs, infinities and signed zeros, in the vectors and in the tail."""
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
         for rows, width in ((1, 576), (33, 576), (5, 100), (3, 4096), (2, 24)):
@@ -167,4 +180,26 @@ def _agrees_with_torch(module: ModuleType) -> bool:
             module.rotate(x, cos, sin, out)
             if not torch.equal(out, rotate_torch(x, cos, sin)):
                 return False
+    for logits in _greedy_cases(gen):
+        tokens = torch.empty(logits.shape[0], dtype=torch.long)
+        module.argmax_rows(logits, tokens)
+        if not torch.equal(tokens, logits.max(dim=-1).indices):
+            return False
     return True
+
+
+def _greedy_cases(gen: torch.Generator) -> list[torch.Tensor]:
+    """Rows of logits whose greedy token is each kind of corner: a tie (bf16 values repeat), a NaN before or
+    after the maximum, +inf, -inf everywhere, -0 beside +0, the maximum in a row's scalar tail."""
+    rows = (torch.randn(12, 1000, generator=gen) * 3).bfloat16().float()
+    rows[1, 700] = rows[1, 5] = rows[1].max() + 1  # a tie: the first one
+    rows[2, 300] = float("nan")
+    rows[3, 10], rows[3, 990] = float("nan"), float("nan")
+    rows[4, 555] = float("inf")
+    rows[5] = float("-inf")
+    rows[6] = 0.0
+    rows[6, 3], rows[6, 900] = -0.0, 0.0
+    rows[6, :3] = -1.0
+    rows[7, 999] = rows[7].max() + 1  # in the scalar tail (1000 is no multiple of the vector)
+    rows[8, 998] = float("nan")
+    return [rows, rows[:1, :7].contiguous(), torch.full((2, 49152), -0.0), (torch.randn(3, 49152, generator=gen)).bfloat16().float()]

@@ -9,10 +9,12 @@ import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
+from decodeservice.engine import elementwise
 from decodeservice.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -129,12 +131,15 @@ class ModelRunner:
     def execute(self, plan: SchedulerPlan) -> StepLogits:
         if self.graphs is not None and (hidden := self.graphs.run(plan.scheduled)) is not None:
             logits = self.model.compute_logits(hidden)  # (S, V): one row per sequence
-            return _split(logits, [1] * logits.shape[0], plan)
+            return self._split(logits, [1] * logits.shape[0], plan)
         batch, row_counts = self.build_batch(plan.scheduled)
         forward = self.compiled if self.compiled is not None and self.compiled.applies_to(batch) else self.model.forward
         hidden = forward(batch, self.kv_caches, num_layers=self.num_layers)
         logits = self.model.compute_logits(hidden, self.head_rows)  # deterministic mode: the head's one path
-        return _split(logits, row_counts, plan)
+        return self._split(logits, row_counts, plan)
+
+    def _split(self, logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> StepLogits:
+        return _split(logits, row_counts, plan, greedy_kernel=self.model.elementwise_plan.kernel)
 
     def _warm_up(self) -> None:
         """Run decode steps of 1, 2 and each row threshold of the model's kernel plan up to MAX_ROWS, so
@@ -209,13 +214,13 @@ def _step_rows(spans: Seq[SequenceSpan], *, device: torch.device, deterministic:
                     prompt_span=(prompt[0], prompt[-1] + 1) if runs else None)
 
 
-def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan) -> StepLogits:
-    """(S, V) logits of the step -> each sequence's rows (row_counts[i] of them, in plan order)."""
+def _split(logits: torch.Tensor, row_counts: list[int], plan: SchedulerPlan, *,
+           greedy_kernel: ModuleType | None) -> StepLogits:
+    """(S, V) logits of the step -> each sequence's rows (row_counts[i] of them, in plan order), and every
+    row's greedy token where a sequence samples greedily (`greedy_kernel`: the model's native passes, or None)."""
     starts = [0, *itertools.accumulate(row_counts)][:-1]
     rows = [logits[s : s + n] if n else None for s, n in zip(starts, row_counts, strict=True)]
     if not any(item.seq.params.greedy for item in plan.scheduled):
         return StepLogits(rows=rows)
-    # max's indices are argmax's (the first maximal value, NaN counted as maximal), and several times
-    # faster on CPU over a 32-stream step's rows of vocabulary logits.
-    argmax = logits.max(dim=-1).indices.tolist()
+    argmax = elementwise.greedy_tokens(logits, greedy_kernel).tolist()
     return StepLogits(rows=rows, argmax=[argmax[s : s + n] if n else None for s, n in zip(starts, row_counts, strict=True)])

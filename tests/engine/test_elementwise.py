@@ -1,5 +1,6 @@
 """engine/elementwise.py: the native passes (RMSNorm with its residual add, SiLU * up, the rotary embedding)
-give torch's bits, alone and through a whole model's forward, in bf16 and fp32."""
+give torch's bits, alone and through a whole model's forward, in bf16 and fp32; the native greedy token is
+torch.max's index, ties, NaNs and infinities included."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decodeservice.engine import elementwise
 from decodeservice.engine.config import ModelConfig
@@ -74,6 +77,39 @@ def test_the_check_at_load_refuses_a_kernel_that_differs(module: ModuleType) -> 
 
     assert elementwise._agrees_with_torch(module)
     assert not elementwise._agrees_with_torch(OffByOne())  # type: ignore[arg-type]
+
+
+# Few distinct values (ties), and the special ones, at any position of rows long enough for vectors and a tail.
+_LOGIT = st.sampled_from([-3.0, -0.0, 0.0, 1.5, 2.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(_LOGIT, min_size=1, max_size=70), min_size=1, max_size=4).filter(
+    lambda rows: len({len(r) for r in rows}) == 1))
+def test_the_greedy_token_is_torch_max_index(module: ModuleType, rows: list[list[float]]) -> None:
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert torch.equal(elementwise.greedy_tokens(logits, module), logits.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_the_greedy_token_over_a_vocabulary(module: ModuleType, rows: int) -> None:
+    logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows)).bfloat16().float()
+    logits[0, 40000] = logits[0, 7] = logits[0].max() + 1  # a tie far apart: the first one
+    assert torch.equal(elementwise.greedy_tokens(logits, module), logits.max(dim=-1).indices)
+    assert elementwise.greedy_tokens(logits, module)[0] == 7
+
+
+def test_the_check_at_load_refuses_a_greedy_token_that_differs(module: ModuleType) -> None:
+    class LastOfTies:  # every other pass as built; the greedy token the last maximal index
+        def __getattr__(self, name: str) -> object:
+            return getattr(module, name)
+
+        @staticmethod
+        def argmax_rows(logits: torch.Tensor, out: torch.Tensor) -> None:
+            flipped = logits.flip(-1).max(dim=-1).indices
+            out.copy_(logits.shape[-1] - 1 - flipped)
+
+    assert not elementwise._agrees_with_torch(LastOfTies())  # type: ignore[arg-type]
 
 
 def tiny_model(dtype: torch.dtype, *, qk_norm: bool, plan: elementwise.ElementwisePlan) -> LlamaModel:
