@@ -1,7 +1,7 @@
 // A layer's elementwise steps in one pass each (engine/elementwise.py): RMSNorm (with the residual add
-// before it), SiLU(gate) * up, and the rotary embedding of q and k; and the greedy token of each row of logits. In torch ops they are two to eight
-// passes over the rows, each with its own output tensor and dispatch (benchmarks/elementwise_passes.py
-// measures what one pass saves).
+// before it), SiLU(gate) * up, and the rotary embedding of q and k; and the greedy token of each row of
+// logits. In torch ops they are two to eight passes over the rows, each with its own output tensor and
+// dispatch (benchmarks/elementwise_passes.py measures what one pass saves).
 //
 // Bit for bit torch's own results: the same ATen vectors (at::vec, built for the ISA the flags choose), the
 // same roundings after each op (to bf16 where the activations are bf16), and torch's split of a row into
@@ -255,9 +255,9 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   }
 }
 
-// Each row's first maximal index, a NaN counted as maximal (its first NaN): torch.max(dim=-1)'s indices. torch's
-// index-returning reductions carry a (value, index) pair per element; here one vector pass finds the row's
-// maximum (NaN-propagating) and a second the first lane equal to it, both over a row that stays in L2.
+// Each row's first maximal index, a NaN counted as maximal (its first NaN): torch.max(dim=-1)'s indices.
+// torch's index-returning reductions carry a (value, index) pair per element; here one vector pass finds
+// the row's maximum (NaN-propagating) and a second the first element equal to it (or the first NaN).
 void argmax_rows(const at::Tensor& logits, at::Tensor& out) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
               "logits (S, V) fp32 contiguous, V > 0");
@@ -283,13 +283,13 @@ void argmax_rows(const at::Tensor& logits, at::Tensor& out) {
         if (std::isnan(row[j]) || row[j] > best) best = row[j];
       const bool nan = std::isnan(best);
       const Vec target(best);
-      int64_t index = 0, j = 0;
-      for (; j < vector_end; j += Vec::size()) {
-        const Vec x = Vec::loadu(row + j);
-        if (~(nan ? x.isnan() : (x == target)).zero_mask() & ((1 << Vec::size()) - 1)) break;
+      const int all_lanes = (1 << Vec::size()) - 1;
+      int64_t index = 0;  // the first vector holding a match, then the match within it (or in the tail)
+      for (; index < vector_end; index += Vec::size()) {
+        const Vec x = Vec::loadu(row + index);
+        if (~(nan ? x.isnan() : (x == target)).zero_mask() & all_lanes) break;  // zero_mask: lanes not matching
       }
-      for (index = j; index < v; ++index)
-        if (nan ? std::isnan(row[index]) : row[index] == best) break;
+      while (index < v && !(nan ? std::isnan(row[index]) : row[index] == best)) ++index;
       dst[r] = index;
     }
   });

@@ -202,4 +202,5 @@ def _greedy_cases(gen: torch.Generator) -> list[torch.Tensor]:
     rows[6, :3] = -1.0
     rows[7, 999] = rows[7].max() + 1  # in the scalar tail (1000 is no multiple of the vector)
     rows[8, 998] = float("nan")
-    return [rows, rows[:1, :7].contiguous(), torch.full((2, 49152), -0.0), (torch.randn(3, 49152, generator=gen)).bfloat16().float()]
+    vocabulary = torch.randn(3, 49152, generator=gen).bfloat16().float()
+    return [rows, rows[:1, :7].contiguous(), torch.full((2, 49152), -0.0), vocabulary]
