@@ -14,14 +14,6 @@ from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from tests.engine.attention.test_backends import HKV, SEQUENCES, build_step
 
 
-@pytest.fixture(scope="module")
-def kernel() -> ModuleType:
-    module = native_decode.decode_extension()
-    if module is None:
-        pytest.skip("the paged-decode kernel did not build here (logged)")
-    return module
-
-
 def dense_over_pool(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, step: StepAttention) -> torch.Tensor:
     """Causal attention in float64 over the keys each sequence's table points at, as the pool holds them."""
     outs = []

@@ -14,14 +14,6 @@ from decodeservice.engine.attention.paged_views import PagedViewsBackend
 from tests.engine.attention.test_backends import SEQUENCES, build_step
 
 
-@pytest.fixture(scope="module")
-def kernel() -> ModuleType:
-    module = native_decode.decode_extension()
-    if module is None:
-        pytest.skip("the native kernel did not build here (no AVX2, or no compiler): the torch paths run")
-    return module
-
-
 def random_pool(gen: torch.Generator, *, lengths: list[int], heads: int, kv_heads: int, head_dim: int,
                 block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Caches with scattered, unequal tables (blocks in shuffled pool order) and one query per sequence."""

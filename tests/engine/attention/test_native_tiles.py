@@ -12,14 +12,6 @@ import torch
 from decodeservice.engine.attention import kv_int8, native_decode
 
 
-@pytest.fixture(scope="module")
-def kernel() -> ModuleType:
-    module = native_decode.decode_extension()
-    if module is None:
-        pytest.skip("the native kernel did not build here (no AVX2, or no compiler): the torch paths run")
-    return module
-
-
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     before = torch.get_num_threads()

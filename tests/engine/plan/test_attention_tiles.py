@@ -15,14 +15,6 @@ from decodeservice.engine.plan import attention_tiles
 from decodeservice.engine.plan.execution import MEASURED_NOW
 
 
-@pytest.fixture(scope="module")
-def kernel() -> ModuleType:
-    built = native_decode.decode_extension()
-    if built is None:
-        pytest.skip("the native attention kernel is not built here")
-    return built
-
-
 @pytest.mark.parametrize("kv_int8_rows", [False, True], ids=["activation_rows", "int8_rows"])
 def test_every_height_is_timed_and_the_choice_is_kept_for_the_next_start(kernel: ModuleType, tmp_path: Path,
                                                                          kv_int8_rows: bool) -> None:
